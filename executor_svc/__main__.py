@@ -1,0 +1,52 @@
+"""`python -m executor_svc`: load the model, serve the internal Executor API."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from executor_svc.config import parse_config
+from shared.logging import configure_logging
+
+log = structlog.get_logger("executor_svc")
+
+
+async def run(config) -> int:
+    from grpc_health.v1 import health_pb2
+
+    from executor_svc.server import SERVICE_NAME, serve
+    from executor_svc.worker import Worker
+
+    worker = Worker(config)
+    log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype), device=worker.device.type,
+             attention_backend=worker.attn_backend.name)
+    server, health = await serve(worker, config.listen, config.auth_token)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("executor_serving", listen=config.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("executor_stopping")
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=2.0)
+    return 0
+
+
+def main(argv=None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level, config.log_json, service="executor")
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(config))
+    return uvloop.run(run(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Paged attention: one interface, two backends.
+
+KV cache layout, per layer, allocated once at start:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Block 0 is the reserved null block: padding entries of block tables point to
+it, and nothing a request reads is ever stored there.
+
+A backend is any object with:
+    name: str
+    prepare(meta: AttentionMetadata) -> None
+        called once per step before the layers run; may precompute and stash
+        backend-specific index tensors in meta.extra (shared by all layers).
+    write_kv(key, value, k_cache, v_cache, meta) -> None
+        key/value [num_tokens, num_kv_heads, head_dim]; writes token i into
+        slot meta.slot_mapping[i] (= block_id * block_size + offset).
+    forward(query, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
+        causal attention of each request's new tokens over its cached tokens
+        plus its new tokens (already written by write_kv), with GQA.
+"""
+from executor_svc.attention.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "get_backend"]
+
+
+def get_backend(name: str):
+    """Returns the backend called `name` ("torch" or "triton")."""
+    if name == "torch":
+        from executor_svc.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from executor_svc.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

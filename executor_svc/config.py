@@ -1,0 +1,94 @@
+"""The executor's configuration: parsed once in `main`, frozen, validated."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.cli_config import EnvArgumentParser
+from shared.net import is_loopback, validate_address
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    listen: str = "127.0.0.1:50052"
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto: bfloat16 where the hardware has fast bf16, else float32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    kv_cache_gib: float = 2.0  # KV budget on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of the card for weights+activations+KV
+    attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    max_model_len: int = 0  # 0 = the model's own limit
+    log_level: str = "info"
+    log_json: bool | None = None  # None: JSON unless stderr is a terminal
+    metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" = off
+    auth_token_file: str = ""  # shared secret required on every call when set
+    auth_token: str = ""  # the secret itself (from the file or PAGEDSERVE_AUTH_TOKEN)
+
+    def __post_init__(self) -> None:
+        validate_address(self.listen)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto, torch or triton")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads < 0 or self.max_model_len < 0:
+            raise ValueError("--num-threads and --max-model-len must be >= 0")
+        if not is_loopback(self.listen) and not self.auth_token:
+            raise ValueError(
+                f"--listen {self.listen} is reachable from other hosts: set --auth-token-file "
+                "(or PAGEDSERVE_AUTH_TOKEN) so only the scheduler can drive this executor"
+            )
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ExecutorConfig:
+    environ = os.environ if environ is None else environ
+    p = EnvArgumentParser(prog="python -m executor_svc", description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.", environ=environ)
+    d = ExecutorConfig
+    p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path to serve the internal Executor API on.")
+    p.add_argument("--model", default=d.model, help="A .gguf file or a local Hugging Face folder (config.json + safetensors). Default: embedded SmolLM2-135M-Instruct.")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="Weights and KV dtype.")
+    p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV-cache memory budget in GiB (CPU).")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, help="Fraction of GPU memory to use (CUDA).")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton"))
+    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
+    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
+    p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
+    p.add_argument("--auth-token-file", default=d.auth_token_file, help="File holding the shared secret the scheduler must present.")
+    p.add_argument("--auth-token", default="", help="The shared secret itself; prefer --auth-token-file.")
+    a = p.parse_args(argv)
+    token = a.auth_token
+    if a.auth_token_file:
+        with open(a.auth_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    try:
+        return ExecutorConfig(
+            listen=a.listen,
+            model=a.model or None,
+            dtype=a.dtype,
+            device=a.device,
+            kv_cache_gib=a.kv_cache_gib,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            attention_backend=a.attention_backend,
+            num_threads=a.num_threads,
+            max_model_len=a.max_model_len,
+            log_level=a.log_level,
+            log_json=True if a.log_json else None,
+            metrics_listen=a.metrics_listen,
+            auth_token_file=a.auth_token_file,
+            auth_token=token,
+        )
+    except ValueError as e:
+        p.error(str(e))
+

@@ -1,0 +1,42 @@
+"""Paged KV memory: sizing and one-time allocation.
+
+Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]:
+a token's vectors are contiguous, so writing a step's new tokens is one
+index_copy per layer, and a block's tokens are one contiguous slab for the
+attention kernels. Block 0 is the reserved null block (padding in block tables).
+"""
+from __future__ import annotations
+
+import torch
+
+from executor_svc.model_config import ModelConfig
+
+GIB = 1 << 30
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def num_blocks_for_budget(budget_bytes: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    n = budget_bytes // bytes_per_block(cfg, block_size, dtype)
+    if n < 2:
+        raise ValueError(
+            f"a KV budget of {budget_bytes / GIB:.3f} GiB holds {n} block(s) of {block_size} tokens; "
+            "at least 2 are needed (block 0 is reserved): raise --kv-cache-gib"
+        )
+    return int(n)
+
+
+def allocate_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    # zeros, not empty: the null block must hold finite values, since padded
+    # lanes of a kernel may read it before masking.
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]

@@ -1,0 +1,189 @@
+"""Turns one step plan into one batched forward pass plus sampling.
+
+The runner keeps each request's state between steps (its tokens, block table
+and sampling settings), so a plan carries only deltas: a new request crosses
+the wire once, then each step says how many tokens to compute and which blocks
+were appended. The runner feeds back its own sampled tokens: the next decode
+step of a request computes the token this runner sampled in the previous one.
+
+Per scheduled request the step computes tokens [num_computed, num_computed +
+num_scheduled) of its token list, in the order the plan lists them (new
+requests first, then cached ones):
+
+    input_ids:  [ r0 chunk ........ | r1 | r2 | r3 chunk .. ]
+    positions:  [ 0 1 2 ... 511     | 37 | 90 | 512 ... 767 ]
+    sample at:                  ^     ^    ^
+    (r3's chunk ends before its prompt does: no token for it this step)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from executor_svc.attention import AttentionMetadata
+from executor_svc.sampler import Sampler, build_sampling_metadata
+from shared.sampling_params import SamplingParams
+from shared.step_plan import StepPlan, StepResult
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + outputs, including this runner's own samples
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class PlanError(ValueError):
+    """The plan contradicts the runner's state: a scheduler/executor desync."""
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, attn_backend):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.attn_backend = attn_backend
+        self.num_blocks = kv_caches[0][0].shape[0]
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    def reset(self) -> None:
+        """Forgets every request (a new scheduler connected)."""
+        self.requests.clear()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step; on any failure drops the step's requests and reports it."""
+        start = time.perf_counter_ns()
+        scheduled_ids = [r.request_id for r in plan.new_requests] + list(plan.cached_requests.request_ids)
+        try:
+            result = self._execute(plan)
+        except Exception as e:  # one step's failure must not take down the executor
+            log.exception("step_failed", step_id=plan.step_id, num_requests=len(scheduled_ids))
+            for rid in scheduled_ids:
+                self.requests.pop(rid, None)
+            result = StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids)
+        result.execute_time_ns = time.perf_counter_ns() - start
+        return result
+
+    def _apply_plan(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
+        """Updates request states from the plan; returns (state, num_scheduled) in batch order."""
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        batch = []
+        for new in plan.new_requests:
+            if new.request_id in self.requests:
+                raise PlanError(f"new request {new.request_id!r} is already known")
+            state = RequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
+                list(new.block_ids), new.num_computed_tokens,
+            )
+            self.requests[new.request_id] = state
+            batch.append((state, new.num_scheduled_tokens))
+        cached = plan.cached_requests
+        for rid, new_blocks, num_computed, num_scheduled in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens
+        ):
+            state = self.requests.get(rid)
+            if state is None:
+                raise PlanError(f"cached request {rid!r} is unknown to the executor")
+            if num_computed != state.num_computed_tokens:
+                raise PlanError(
+                    f"request {rid!r}: plan says {num_computed} computed tokens, executor has {state.num_computed_tokens}"
+                )
+            state.block_ids.extend(new_blocks)
+            batch.append((state, num_scheduled))
+        for state, num_scheduled in batch:
+            end = state.num_computed_tokens + num_scheduled
+            if num_scheduled <= 0 or end > len(state.token_ids):
+                raise PlanError(
+                    f"request {state.request_id!r}: scheduling {num_scheduled} tokens from "
+                    f"{state.num_computed_tokens} but only {len(state.token_ids)} are known"
+                )
+            if -(-end // self.block_size) > len(state.block_ids):
+                raise PlanError(f"request {state.request_id!r}: {len(state.block_ids)} blocks cannot hold {end} tokens")
+            if any(not 0 < b < self.num_blocks for b in state.block_ids):
+                raise PlanError(f"request {state.request_id!r}: block id out of range 1..{self.num_blocks - 1}")
+        return batch
+
+    def _prepare_inputs(self, batch: list[tuple[RequestState, int]]):
+        bs = self.block_size
+        query_lens = np.array([n for _, n in batch], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int64)
+        seq_lens = starts + query_lens
+        cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # Row of each token and its position: position = start of its row + offset in row.
+        row_of_token = np.repeat(np.arange(len(batch)), query_lens)
+        positions = starts[row_of_token] + (np.arange(num_tokens) - cu[:-1][row_of_token])
+        max_blocks = max(len(s.block_ids) for s, _ in batch)
+        block_table = np.zeros((len(batch), max_blocks), dtype=np.int64)
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        for i, (state, n) in enumerate(batch):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+            c = state.num_computed_tokens
+            input_ids[cu[i] : cu[i] + n] = state.token_ids[c : c + n]
+        slot_mapping = block_table[row_of_token, positions // bs] * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_table.astype(np.int32)).to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
+        batch = self._apply_plan(plan)
+        result = StepResult(step_id=plan.step_id)
+        if not batch:
+            return result
+        input_ids, positions, meta, cu = self._prepare_inputs(batch)
+        self.attn_backend.prepare(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # Only requests whose scheduled tokens reach the end of their known
+        # tokens produce a token; a mid-prompt chunk produces none.
+        sample_rows = [i for i, (s, n) in enumerate(batch) if s.num_computed_tokens + n == len(s.token_ids)]
+        for state, n in batch:
+            state.num_computed_tokens += n
+        if not sample_rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
+        states = [batch[i][0] for i in sample_rows]
+        md = build_sampling_metadata(
+            [s.sampling for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, md)
+        tokens = out.sampled_token_ids.tolist()
+        for state, token, lp in zip(states, tokens, out.logprobs):
+            state.token_ids.append(token)
+            result.sampled[state.request_id] = token
+            if lp is not None:
+                result.logprobs[state.request_id] = lp
+        return result

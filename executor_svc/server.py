@@ -1,0 +1,103 @@
+"""The executor's gRPC edge: Handshake and the Step stream.
+
+Protobuf is converted to the step dataclasses here and nowhere deeper. The
+forward pass runs on one dedicated worker thread so the event loop stays free
+for health checks and the next plan's decoding.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_svc.worker import Worker
+from shared.grpc_auth import BearerAuthInterceptor
+from pagedserve.executor.v1 import executor_pb2 as pb
+from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from shared.step_codec import plan_from_proto, result_to_proto
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    def __init__(self, state: Worker):
+        self._state = state
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._instance_id = uuid.uuid4().hex
+        self._active_stream: grpc.aio.ServicerContext | None = None
+
+    async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        if request.block_size_tokens == 0 or request.block_size_tokens > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}")
+        # A new handshake means a (re)connected scheduler: any old stream is stale.
+        if self._active_stream is not None:
+            self._active_stream.cancel()
+            self._active_stream = None
+        loop = asyncio.get_running_loop()
+        info = await loop.run_in_executor(
+            self._worker, self._state.configure, request.block_size_tokens,
+            request.max_num_batched_tokens, request.max_num_seqs,
+        )
+        log.info("handshake", block_size=request.block_size_tokens, num_kv_blocks=info.num_kv_blocks)
+        m, t = info.model, info.tokenizer
+        return pb.HandshakeResponse(
+            model=pb.ModelDescription(
+                model_name=m.model_name, architecture=m.architecture, vocab_size=m.vocab_size,
+                eos_token_ids=list(m.eos_token_ids), max_model_len_tokens=info.max_model_len,
+                dtype=info.dtype_name, **({"bos_token_id": m.bos_token_id} if m.bos_token_id is not None else {}),
+            ),
+            tokenizer=pb.TokenizerInfo(
+                tokenizer_json=t.tokenizer_json, chat_template=t.chat_template,
+                bos_token=t.bos_token, eos_token=t.eos_token, add_bos_token=t.add_bos_token,
+            ),
+            num_kv_blocks=info.num_kv_blocks,
+            kv_cache_bytes=info.kv_cache_bytes,
+            instance_id=self._instance_id,
+            device=info.device,
+            attention_backend=info.attention_backend,
+        )
+
+    async def Step(self, request_iterator, context):
+        if self._active_stream is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Step stream is open; Handshake first to replace it")
+        if not self._state.configured:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Handshake must precede Step")
+        self._active_stream = context
+        loop = asyncio.get_running_loop()
+        try:
+            async for msg in request_iterator:
+                plan = plan_from_proto(msg)
+                result = await loop.run_in_executor(self._worker, self._state.runner.execute, plan)
+                yield result_to_proto(result)
+        finally:
+            if self._active_stream is context:
+                self._active_stream = None
+
+
+async def serve(state: Worker, listen: str, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:
+    interceptors = [BearerAuthInterceptor((auth_token,))] if auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ],
+    )
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(state), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    if server.add_insecure_port(listen) == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not listen on {listen}")
+    await server.start()
+    return server, health_servicer

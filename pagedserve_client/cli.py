@@ -1,0 +1,91 @@
+"""`pagedserve`: command-line client.
+
+    pagedserve generate "Write a haiku about paging"        # streams text
+    pagedserve generate --chat "What is a KV cache?"        # applies the chat template
+    pagedserve status | model | tokenize TEXT | health
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import grpc
+
+from pagedserve_client.client import Client
+
+
+def _health(target: str, service: str, timeout: float) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            print(f"{target}: {e.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{target}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve", description="PagedServe command-line client.")
+    p.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", "127.0.0.1:50051"), help="Scheduler address [env PAGEDSERVE_TARGET].")
+    p.add_argument("--token", default=os.environ.get("PAGEDSERVE_TOKEN"), help="Bearer token [env PAGEDSERVE_TOKEN].")
+    p.add_argument("--tls-ca", default=None, help="CA bundle to verify a TLS server.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="Stream a completion.")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="Send the prompt as one user message through the chat template.")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--json", action="store_true", help="Print each response message as JSON.")
+    sub.add_parser("status", help="Server status (KV blocks, queue).")
+    sub.add_parser("model", help="Model info.")
+    t = sub.add_parser("tokenize", help="Tokenize text.")
+    t.add_argument("text")
+    h = sub.add_parser("health", help="gRPC health check; exit 0 when SERVING.")
+    h.add_argument("--service", default="")
+    h.add_argument("--timeout", type=float, default=3.0)
+    a = p.parse_args(argv)
+
+    if a.cmd == "health":
+        return _health(a.target, a.service, a.timeout)
+    from google.protobuf.json_format import MessageToDict
+
+    with Client(a.target, token=a.token, tls_ca=a.tls_ca) as c:
+        try:
+            if a.cmd == "generate":
+                prompt = dict(messages=[{"role": "user", "content": a.prompt}]) if a.chat else dict(prompt=a.prompt)
+                usage = None
+                for msg in c.generate(**prompt, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                      top_k=a.top_k, seed=a.seed, stop=a.stop):
+                    if a.json:
+                        print(json.dumps(MessageToDict(msg)))
+                    else:
+                        print(msg.text, end="", flush=True)
+                    if msg.finish_reason:
+                        usage = msg.usage
+                if not a.json and usage is not None:
+                    print(f"\n[{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
+                          f"{usage.completion_tokens} generated]", file=sys.stderr)
+            elif a.cmd == "status":
+                print(json.dumps(MessageToDict(c.server_status(), always_print_fields_with_no_presence=True), indent=2))
+            elif a.cmd == "model":
+                print(json.dumps(MessageToDict(c.model_info()), indent=2))
+            elif a.cmd == "tokenize":
+                print(json.dumps(c.tokenize(a.text)))
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""A small client for `pagedserve.v1.Generation`, sync and asyncio.
+
+    from pagedserve_client import Client
+    with Client("127.0.0.1:50051") as c:
+        for msg in c.generate("Why is the sky blue?", max_tokens=64):
+            print(msg.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "logprobs", "n")
+_STOPPING = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output")
+
+
+def build_request(prompt: str | None = None, *, token_ids=None, messages=None, request_id: str = "",
+                  stop=(), stop_token_ids=(), priority: int = 0, **kwargs) -> pb.GenerateRequest:
+    """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs."""
+    if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+        raise ValueError("pass exactly one of prompt, token_ids, messages")
+    unknown = set(kwargs) - set(_SAMPLING) - set(_STOPPING)
+    if unknown:
+        raise TypeError(f"unknown arguments: {', '.join(sorted(unknown))}")
+    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    for name in _SAMPLING:
+        if kwargs.get(name) is not None:
+            setattr(req.sampling, name, kwargs[name])
+    for name in _STOPPING:
+        if kwargs.get(name) is not None:
+            setattr(req.stopping, name, kwargs[name])
+    req.stopping.stop.extend(stop)
+    req.stopping.stop_token_ids.extend(stop_token_ids)
+    return req
+
+
+@dataclass
+class Completion:
+    """One sample's whole output, gathered from its stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    matched_stop: str = ""
+    logprobs: list = field(default_factory=list)
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        self.text += msg.text
+        self.token_ids.extend(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            self.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+            self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+            self.matched_stop = msg.matched_stop
+
+
+def _credentials(tls_ca: str | None):
+    if tls_ca is None:
+        return None
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None):
+        creds = _credentials(tls_ca)
+        self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._md = _metadata(token)
+
+    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
+        return self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md)
+
+    def complete(self, prompt=None, *, timeout: float | None = None, **kwargs) -> list[Completion]:
+        """Runs a request to the end; one Completion per sample (n of them)."""
+        out: dict[int, Completion] = {}
+        for msg in self.generate(prompt, timeout=timeout, **kwargs):
+            out.setdefault(msg.index, Completion()).add(msg)
+        return [out[i] for i in sorted(out)]
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._stub.Tokenize(req, metadata=self._md).token_ids)
+
+    def detokenize(self, token_ids, skip_special_tokens: bool = True) -> str:
+        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self._stub.Detokenize(req, metadata=self._md).text
+
+    def model_info(self) -> pb.ModelInfo:
+        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md)
+
+    def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
+        return self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None):
+        creds = _credentials(tls_ca)
+        self._channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._md = _metadata(token)
+
+    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md)
+        async for msg in call:
+            yield msg
+
+    async def complete(self, prompt=None, *, timeout: float | None = None, **kwargs) -> list[Completion]:
+        out: dict[int, Completion] = {}
+        async for msg in self.generate(prompt, timeout=timeout, **kwargs):
+            out.setdefault(msg.index, Completion()).add(msg)
+        return [out[i] for i in sorted(out)]
+
+    async def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
+        return await self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,115 @@
+"""`python -m scheduler_svc`: the public API in front of one executor. Torch-free."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from scheduler_svc.config import parse_config
+from shared.logging import configure_logging
+
+log = structlog.get_logger("scheduler_svc")
+
+
+def _server_credentials(config):
+    import grpc
+
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as f:
+        key = f.read()
+    with open(config.tls_cert, "rb") as f:
+        cert = f.read()
+    ca = None
+    if config.tls_client_ca:
+        with open(config.tls_client_ca, "rb") as f:
+            ca = f.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def run(config) -> int:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
+    from scheduler_svc.server import SERVICE_NAME, GenerationServicer
+    from shared.grpc_auth import BearerAuthInterceptor
+
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),
+    ]
+    if config.max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(config.drain_timeout_s * 1000)),
+        ]
+    interceptors = [BearerAuthInterceptor(config.auth_tokens)] if config.auth_tokens else []
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    engine = Engine(config, ExecutorClient(config.executor, config.executor_auth_token))
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, config), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    creds = _server_credentials(config)
+    bound = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    if bound == 0 and not config.listen.startswith("unix:"):
+        raise OSError(f"could not listen on {config.listen}")
+    await server.start()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, not_serving)
+
+    def on_connection(connected: bool) -> None:
+        if not engine.draining:
+            for name in ("", SERVICE_NAME):
+                asyncio.ensure_future(health_servicer.set(name, serving if connected else not_serving))
+
+    engine.on_connection_change(on_connection)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("scheduler_listening", listen=config.listen, executor=config.executor)
+    while not stop.is_set():
+        try:
+            await engine.connect()
+            break
+        except ExecutorLost as e:
+            log.info("waiting_for_executor", error=str(e))
+            await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
+    loop_task = asyncio.ensure_future(engine.run()) if engine.scheduler is not None else None
+    await stop.wait()
+    log.info("draining", timeout_s=config.drain_timeout_s)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, not_serving)
+    if engine.scheduler is not None:
+        await engine.drain(config.drain_timeout_s)
+    await server.stop(grace=1.0)
+    if loop_task is not None:
+        loop_task.cancel()
+    await engine.client.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level, config.log_json, service="scheduler")
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(config))
+    return uvloop.run(run(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The scheduler's step loop: schedule, send the plan, apply the result, stream.
+
+One asyncio task runs the loop; gRPC handlers submit requests and read their
+samples' outputs from per-request queues. Text work (detokenization, stop
+strings) happens here, where the tokens arrive: a stop string aborts the
+sample at once, so its blocks are free before the next step.
+
+Executor loss: the scheduler holds every request's tokens, so when the Step
+stream breaks it resets all running requests to "recompute from scratch",
+reconnects, and carries on; clients only see a pause. Past the recovery
+timeout their requests fail with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost
+from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tokenizer import Tokenizer
+from shared.sampling_params import SamplingParams
+from shared.step_plan import TokenLogprobs
+
+log = structlog.get_logger(__name__)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class EngineUnavailable(RuntimeError):
+    """The executor is not connected (or the server is draining)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting."""
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """A validated request, ready to run: everything the engine needs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams  # sample i uses seed + i when a seed is set
+    n: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+
+@dataclass
+class SampleOutput:
+    """One message of one sample's stream."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    matched_stop: str = ""
+    matched_stop_token_id: int | None = None
+    error: str = ""  # set when the sample failed inside the engine (INTERNAL)
+    unavailable: bool = False  # set when the executor stayed away too long
+
+
+@dataclass(eq=False)
+class _Sample:
+    handle: "RequestHandle"
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """What a gRPC handler holds: the queue its samples' outputs arrive on."""
+
+    request_id: str
+    n: int
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sample_ids: list[str] = field(default_factory=list)
+    num_open: int = 0
+
+
+class Engine:
+    def __init__(self, config, client: ExecutorClient):
+        self.config = config
+        self.client = client
+        self.info: ExecutorInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.scheduler: Scheduler | None = None
+        self.connected = False
+        self.draining = False
+        self._samples: dict[str, _Sample] = {}
+        self._handles: dict[str, RequestHandle] = {}
+        self._wakeup = asyncio.Event()
+        self._on_connection_change = []  # callbacks(connected: bool)
+
+    # ---- start-up and recovery -------------------------------------------------
+
+    async def connect(self) -> ExecutorInfo:
+        cfg = self.config
+        info = await self.client.connect(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        if self.info is None:
+            self.info = info
+            self.tokenizer = Tokenizer.from_info(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token)
+            self.scheduler = Scheduler(self._scheduler_config(info))
+        elif (info.vocab_size, info.num_kv_blocks, info.max_model_len) != (self.info.vocab_size, self.info.num_kv_blocks, self.info.max_model_len):
+            raise ExecutorLost(f"the executor came back with a different model or KV capacity ({info.num_kv_blocks} blocks)")
+        self._set_connected(True)
+        log.info("executor_connected", instance_id=info.instance_id, num_kv_blocks=info.num_kv_blocks, device=info.device)
+        return info
+
+    def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
+        cfg = self.config
+        return SchedulerConfig(
+            block_size=cfg.block_size, num_blocks=info.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=info.max_model_len,
+            watermark=cfg.watermark, enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill, hash_algo=cfg.hash_algo,
+        )
+
+    def _set_connected(self, value: bool) -> None:
+        self.connected = value
+        for callback in self._on_connection_change:
+            callback(value)
+
+    def on_connection_change(self, callback) -> None:
+        self._on_connection_change.append(callback)
+
+    async def _recover(self, reason: str) -> None:
+        log.warning("executor_lost", reason=reason, live_requests=len(self._samples))
+        self._set_connected(False)
+        self.scheduler.reset_for_executor_loss()
+        deadline = time.monotonic() + self.config.executor_recovery_timeout_s
+        while True:
+            try:
+                await self.connect()
+                return
+            except ExecutorLost as e:
+                if time.monotonic() > deadline and self._samples:
+                    log.error("executor_recovery_timeout", live_requests=len(self._samples), error=str(e))
+                    for sample_id in list(self._samples):
+                        self._fail_sample(sample_id, "", unavailable=True)
+                await asyncio.sleep(0.25)
+
+    # ---- requests ---------------------------------------------------------------
+
+    def submit(self, gen: GenerationInput) -> RequestHandle:
+        if self.draining or not self.connected:
+            raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
+        if gen.request_id in self._handles:
+            raise KeyError(gen.request_id)
+        if self.scheduler.num_waiting + gen.n > self.config.max_waiting:
+            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (limit --max-waiting {self.config.max_waiting})")
+        handle = RequestHandle(gen.request_id, gen.n)
+        eos = frozenset(self.info.eos_token_ids)
+        masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
+        for i in range(gen.n):
+            sample_id = gen.request_id if gen.n == 1 else f"{gen.request_id}#{i}"
+            seed = None if gen.sampling.seed is None else gen.sampling.seed + i
+            sampling = SamplingParams(**{**gen.sampling.__dict__, "seed": seed, "min_tokens": gen.min_tokens, "min_tokens_masked_ids": masked})
+            request = Request(
+                request_id=sample_id, prompt_token_ids=list(gen.prompt_token_ids), sampling=sampling,
+                max_tokens=gen.max_tokens, eos_token_ids=eos, stop_token_ids=gen.stop_token_ids,
+                ignore_eos=gen.ignore_eos, min_tokens=gen.min_tokens, priority=gen.priority, arrival_time=handle.arrival,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, list(gen.stop), gen.include_stop_str_in_output)
+            self._samples[sample_id] = _Sample(handle, i, request, detok)
+            handle.sample_ids.append(sample_id)
+            self.scheduler.add_request(request)
+        handle.num_open = gen.n
+        self._handles[gen.request_id] = handle
+        self._wakeup.set()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Client went away: free every open sample's blocks now."""
+        for sample_id in handle.sample_ids:
+            if sample_id in self._samples:
+                self.scheduler.abort_request(sample_id)
+                self._samples.pop(sample_id)
+        if self._handles.pop(handle.request_id, None) is not None:
+            self._log_finished(handle, "abort")
+        self._wakeup.set()
+
+    def _fail_sample(self, sample_id: str, error: str, unavailable: bool = False) -> None:
+        sample = self._samples.get(sample_id)
+        if sample is None:
+            return
+        self.scheduler.abort_request(sample_id)
+        req = sample.request
+        self._finish(sample, SampleOutput(sample.index, [], "", finish_reason=FinishReason.ABORT, prompt_tokens=req.num_prompt_tokens,
+                                          completion_tokens=req.num_output_tokens, error=error, unavailable=unavailable))
+
+    def _finish(self, sample: _Sample, out: SampleOutput) -> None:
+        self._samples.pop(sample.request.request_id, None)
+        handle = sample.handle
+        handle.queue.put_nowait(out)
+        handle.num_open -= 1
+        if handle.num_open == 0 and self._handles.pop(handle.request_id, None) is not None:
+            self._log_finished(handle, out.finish_reason.value if out.finish_reason else "")
+
+    def _log_finished(self, handle: RequestHandle, reason: str) -> None:
+        log.info("request_finished", request_id=handle.request_id, n=handle.n, finish_reason=reason,
+                 latency_s=round(time.monotonic() - handle.arrival, 4))
+
+    # ---- the step loop ------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sample = self._samples.get(out.request_id)
+            if sample is None:
+                continue  # aborted while its step was in flight
+            if out.error:
+                self._fail_sample(out.request_id, out.error)
+                continue
+            req = sample.request
+            delta = sample.detok.add_tokens(out.new_token_ids)
+            msg = SampleOutput(sample.index, list(out.new_token_ids), delta.text, list(out.new_logprobs))
+            if delta.matched_stop is not None:
+                if not out.finished:
+                    self.scheduler.abort_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                msg.finish_reason, msg.matched_stop = FinishReason.STOP, delta.matched_stop
+            elif out.finished:
+                msg.text += sample.detok.flush()
+                msg.finish_reason = _FINISH[out.status]
+                msg.matched_stop_token_id = out.stop_token_id
+            if msg.finish_reason is None:
+                sample.handle.queue.put_nowait(msg)
+                continue
+            msg.prompt_tokens, msg.completion_tokens = req.num_prompt_tokens, req.num_output_tokens
+            msg.cached_prompt_tokens = max(req.num_cached_tokens, 0)
+            self._finish(sample, msg)
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled."""
+        sched = self.scheduler
+        while True:
+            if not sched.has_unfinished_requests() and not sched.has_pending_finished():
+                if await self._idle_until_work_or_loss():
+                    await self._recover("the executor connection dropped while idle")
+                continue
+            plan = sched.schedule()
+            if plan.num_requests == 0 and not plan.finished_request_ids:
+                # Nothing fits right now (every waiting request needs more free
+                # blocks than exist); wait for a change instead of spinning.
+                self._wakeup.clear()
+                await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
+                continue
+            try:
+                result = await self.client.step(plan)
+            except ExecutorLost as e:
+                await self._recover(str(e))
+                continue
+            if result.error:
+                log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
+            self._deliver(sched.update_from_result(plan, result))
+            log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
+                      num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
+
+    async def _idle_until_work_or_loss(self) -> bool:
+        """Waits for a new request; True if the executor was lost meanwhile."""
+        self._wakeup.clear()
+        woke = asyncio.ensure_future(self._wakeup.wait())
+        lost = asyncio.ensure_future(self.client.wait_lost())
+        done, pending = await asyncio.wait({woke, lost}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return lost in done
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stops admitting; waits up to timeout_s for live requests, then aborts the rest."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._samples and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for sample_id in list(self._samples):
+            self._fail_sample(sample_id, "")

@@ -1,0 +1,121 @@
+"""The scheduler's edge to the executor: handshake, then one Step stream.
+
+Protobuf stays in this file; the engine sees `ExecutorInfo`, `StepPlan` and
+`StepResult` dataclasses. Any transport failure surfaces as `ExecutorLost`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.executor.v1 import executor_pb2 as pb
+from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from shared.step_codec import plan_to_proto, result_from_proto
+from shared.step_plan import StepPlan, StepResult
+
+
+class ExecutorLost(ConnectionError):
+    """The executor cannot be reached or its stream broke; its KV state is gone."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    model_name: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    max_model_len: int
+    dtype: str
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    instance_id: str
+    device: str
+    attention_backend: str
+    tokenizer_json: str
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    add_bos_token: bool
+
+
+class ExecutorClient:
+    def __init__(self, address: str, auth_token: str = ""):
+        self._address = address
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ExecutorStub | None = None
+        self._call = None
+
+    async def connect(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 5.0) -> ExecutorInfo:
+        """Handshakes and opens the Step stream; raises ExecutorLost if unreachable."""
+        await self.close()
+        self._channel = grpc.aio.insecure_channel(
+            self._address,
+            options=[
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+            ],
+        )
+        self._stub = pb_grpc.ExecutorStub(self._channel)
+        try:
+            resp = await self._stub.Handshake(
+                pb.HandshakeRequest(
+                    block_size_tokens=block_size,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                ),
+                timeout=timeout_s,
+                metadata=self._metadata,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as e:
+            raise ExecutorLost(f"handshake with {self._address} failed: {e.code().name}: {e.details()}") from e
+        self._call = self._stub.Step(metadata=self._metadata)
+        m, t = resp.model, resp.tokenizer
+        return ExecutorInfo(
+            model_name=m.model_name, architecture=m.architecture, vocab_size=m.vocab_size,
+            eos_token_ids=tuple(m.eos_token_ids), bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
+            max_model_len=m.max_model_len_tokens, dtype=m.dtype, num_kv_blocks=resp.num_kv_blocks,
+            kv_cache_bytes=resp.kv_cache_bytes, instance_id=resp.instance_id, device=resp.device,
+            attention_backend=resp.attention_backend, tokenizer_json=t.tokenizer_json,
+            chat_template=t.chat_template, bos_token=t.bos_token, eos_token=t.eos_token, add_bos_token=t.add_bos_token,
+        )
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        if self._call is None:
+            raise ExecutorLost("not connected")
+        try:
+            await self._call.write(plan_to_proto(plan))
+            msg = await self._call.read()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise ExecutorLost(f"step stream to {self._address} broke: {e}") from e
+        if msg is grpc.aio.EOF:
+            raise ExecutorLost(f"executor at {self._address} closed the step stream")
+        result = result_from_proto(msg)
+        assert result.step_id == plan.step_id, f"executor answered step {result.step_id} to plan {plan.step_id}"
+        return result
+
+    async def wait_lost(self) -> None:
+        """Returns once the connection to the executor has failed or closed."""
+        channel = self._channel
+        if channel is None:
+            return
+        bad = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN, grpc.ChannelConnectivity.IDLE)
+        state = channel.get_state()
+        while state not in bad:
+            await channel.wait_for_state_change(state)
+            state = channel.get_state()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

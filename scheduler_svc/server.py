@@ -1,0 +1,158 @@
+"""The public gRPC edge: the `Generation` service, health and reflection.
+
+Status codes a client can receive:
+  INVALID_ARGUMENT    a field is out of range (BadRequest details name it)
+  OUT_OF_RANGE        prompt (+ max_tokens) longer than the context or KV cache
+  ALREADY_EXISTS      request_id is already live
+  RESOURCE_EXHAUSTED  the waiting queue is full, or the message is too large
+  UNAVAILABLE         executor unreachable (past --executor-recovery-timeout) or draining
+  UNAUTHENTICATED     bearer token missing or wrong (when tokens are configured)
+  DEADLINE_EXCEEDED   the client's deadline passed (the request is aborted and freed)
+  INTERNAL            an unexpected failure of this request's step; others continue
+"""
+from __future__ import annotations
+
+import grpc
+import structlog
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.engine import Engine, EngineUnavailable, FinishReason, QueueFull, SampleOutput
+from scheduler_svc.validation import InvalidRequest, Limits, render_chat, to_generation_input
+from shared.sampling_params import MAX_LOGPROBS
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+async def abort_invalid(context, err: InvalidRequest):
+    detail = error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.description)]
+    )
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=str(err))
+    status.details.add().Pack(detail)
+    await context.abort_with_status(rpc_status.to_status(status))
+
+
+def to_response(request_id: str, out: SampleOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=request_id, index=out.index, token_ids=out.token_ids, text=out.text)
+    for lp, token in zip(out.logprobs, out.token_ids):
+        msg.logprobs.add(token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+    if out.finish_reason is not None:
+        msg.finish_reason = _FINISH_PB[out.finish_reason]
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                                    cached_prompt_tokens=out.cached_prompt_tokens))
+        msg.matched_stop = out.matched_stop
+        if out.matched_stop_token_id is not None:
+            msg.matched_stop_token_id = out.matched_stop_token_id
+    return msg
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, config):
+        self.engine = engine
+        self.config = config
+
+    def _limits(self) -> Limits:
+        info, cfg = self.engine.info, self.config
+        return Limits(
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len, max_n=cfg.max_n,
+            max_stop_strings=cfg.max_stop_strings, max_stop_string_bytes=cfg.max_stop_string_bytes,
+            kv_capacity_tokens=(info.num_kv_blocks - 1) * cfg.block_size,
+        )
+
+    async def _require_engine(self, context) -> None:
+        if self.engine.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor has not connected yet")
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        await self._require_engine(context)
+        try:
+            gen = to_generation_input(request, self.engine.tokenizer, self._limits())
+        except InvalidRequest as e:
+            await abort_invalid(context, e)
+        try:
+            handle = self.engine.submit(gen)
+        except KeyError:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {gen.request_id!r} is already live")
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finished = 0
+        try:
+            while finished < handle.n:
+                out: SampleOutput = await handle.queue.get()
+                if out.unavailable:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor did not come back within --executor-recovery-timeout")
+                if out.error:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"request failed inside the engine: {out.error}")
+                if self.engine.draining and out.finish_reason is FinishReason.ABORT:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+                finished += out.finish_reason is not None
+                yield to_response(gen.request_id, out)
+        finally:
+            # Cancelled, deadline passed, or failed: whatever is still open frees its blocks now.
+            if finished < handle.n:
+                self.engine.abort(handle)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        await self._require_engine(context)
+        tok = self.engine.tokenizer
+        try:
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = render_chat(tok, request.chat, "chat")
+            else:
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = tok.encode(request.text, add_special_tokens=add)
+        except InvalidRequest as e:
+            await abort_invalid(context, e)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        await self._require_engine(context)
+        vocab = self.engine.info.vocab_size
+        bad = next((t for t in request.token_ids if t >= vocab), None)
+        if bad is not None:
+            await abort_invalid(context, InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary (size {vocab})"))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        await self._require_engine(context)
+        info, cfg = self.engine.info, self.config
+        return pb.ModelInfo(
+            model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
+            max_model_len_tokens=info.max_model_len, eos_token_ids=list(info.eos_token_ids),
+            block_size_tokens=cfg.block_size, dtype=info.dtype, has_chat_template=self.engine.tokenizer.has_chat_template,
+            max_n=cfg.max_n, max_logprobs=MAX_LOGPROBS, max_stop_strings=cfg.max_stop_strings,
+            max_stop_string_bytes=cfg.max_stop_string_bytes,
+        )
+
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
+        await self._require_engine(context)
+        s = self.engine.scheduler.stats()
+        msg = pb.ServerStatus(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_cached_free=s.kv_blocks_cached_free,
+            prefix_cache_queries_tokens=s.prefix_cache_queries, prefix_cache_hits_tokens=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, executor_connected=self.engine.connected, num_steps=s.num_steps,
+        )
+        if request.include_requests:
+            for r in self.engine.scheduler.live_requests():
+                msg.requests.add(
+                    request_id=r.request_id, status=int(r.status), prompt_tokens=r.num_prompt_tokens,
+                    output_tokens=r.num_output_tokens, computed_tokens=r.num_computed_tokens,
+                    kv_blocks=len(r.block_ids), priority=r.priority,
+                )
+        return msg
+

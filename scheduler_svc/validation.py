@@ -1,0 +1,170 @@
+"""Checks a public GenerateRequest and turns it into a GenerationInput.
+
+Every rejection names the field and the limit. Nothing here has side effects:
+a rejected request changes nothing in the engine.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.engine import GenerationInput
+from scheduler_svc.tokenizer import Tokenizer
+from shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class InvalidRequest(ValueError):
+    """Bad input: mapped to a gRPC status with a BadRequest field violation."""
+
+    def __init__(self, field: str, description: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_n: int
+    max_stop_strings: int
+    max_stop_string_bytes: int
+    # Tokens the whole KV cache holds: one sample must fit alone, or it could
+    # never finish (it would preempt itself forever).
+    kv_capacity_tokens: int
+
+
+def _check_range(field: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
+    if math.isnan(value) or value > hi or value < lo or (lo_open and value == lo):
+        left = "(" if lo_open else "["
+        raise InvalidRequest(field, f"must be in {left}{lo}, {hi}], got {value}")
+
+
+def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str) -> list[int]:
+    if not chat.messages:
+        raise InvalidRequest(f"{field}.messages", "a chat needs at least one message")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(f"{field}.messages[{i}].role", f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+    if not tokenizer.has_chat_template:
+        raise InvalidRequest(field, "the served model has no chat template; send text or token_ids")
+    add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in chat.messages], add_gen)
+    except ValueError as e:
+        raise InvalidRequest(field, str(e)) from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_token_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "no prompt: set text, token_ids or chat")
+    if kind == "text":
+        if not req.text:
+            raise InvalidRequest("prompt.text", "the prompt is empty")
+        ids = tokenizer.encode(req.text)
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("prompt.token_ids.ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    else:
+        ids = render_chat(tokenizer, req.chat, "prompt.chat")
+    if not ids:
+        raise InvalidRequest(f"prompt.{kind}", "the prompt has no tokens")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequest(
+            f"prompt.{kind}", f"the prompt has {len(ids)} tokens; the model's context is {limits.max_model_len} "
+            "(at least one token must remain for the output)", grpc.StatusCode.OUT_OF_RANGE,
+        )
+    return ids
+
+
+def sampling_params(s: pb.SamplingParams, limits: Limits) -> tuple[SamplingParams, int]:
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    if math.isnan(temperature) or temperature < 0 or temperature > 100:
+        raise InvalidRequest("sampling.temperature", f"must be in [0, 100] (0 = greedy), got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    _check_range("sampling.top_p", top_p, 0.0, 1.0, lo_open=True)
+    top_k = s.top_k if s.HasField("top_k") else -1
+    if top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"must be -1 (off), 0 (off) or positive, got {top_k}")
+    min_p = s.min_p if s.HasField("min_p") else 0.0
+    _check_range("sampling.min_p", min_p, 0.0, 1.0)
+    rep = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    _check_range("sampling.repetition_penalty", rep, 0.0, 2.0, lo_open=True)
+    presence = s.presence_penalty if s.HasField("presence_penalty") else 0.0
+    _check_range("sampling.presence_penalty", presence, -2.0, 2.0)
+    frequency = s.frequency_penalty if s.HasField("frequency_penalty") else 0.0
+    _check_range("sampling.frequency_penalty", frequency, -2.0, 2.0)
+    logprobs = s.logprobs if s.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise InvalidRequest("sampling.logprobs", f"at most {MAX_LOGPROBS}, got {logprobs}")
+    n = s.n if s.HasField("n") else 1
+    if n < 1 or n > limits.max_n:
+        raise InvalidRequest("sampling.n", f"must be in [1, {limits.max_n}], got {n}")
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, repetition_penalty=rep,
+        presence_penalty=presence, frequency_penalty=frequency, seed=s.seed if s.HasField("seed") else None,
+        logprobs=logprobs,
+    )
+    return params, n
+
+
+def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationInput:
+    if len(req.request_id) > 256:
+        raise InvalidRequest("request_id", f"at most 256 characters, got {len(req.request_id)}")
+    sampling, n = sampling_params(req.sampling, limits)
+    st = req.stopping
+    if len(st.stop) > limits.max_stop_strings:
+        raise InvalidRequest("stopping.stop", f"at most {limits.max_stop_strings} stop strings, got {len(st.stop)}")
+    for i, s in enumerate(st.stop):
+        if not s:
+            raise InvalidRequest(f"stopping.stop[{i}]", "stop strings must not be empty")
+        if len(s.encode()) > limits.max_stop_string_bytes:
+            raise InvalidRequest(f"stopping.stop[{i}]", f"at most {limits.max_stop_string_bytes} bytes, got {len(s.encode())}")
+    bad = next((t for t in st.stop_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("stopping.stop_token_ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+    ids = prompt_token_ids(req, tokenizer, limits)
+    room = min(limits.max_model_len, limits.kv_capacity_tokens) - len(ids)
+    if room < 1:
+        raise InvalidRequest(
+            f"prompt.{req.WhichOneof('prompt')}", f"the prompt has {len(ids)} tokens; the KV cache holds "
+            f"{limits.kv_capacity_tokens}", grpc.StatusCode.OUT_OF_RANGE,
+        )
+    if st.HasField("max_tokens"):
+        if st.max_tokens == 0:
+            raise InvalidRequest("stopping.max_tokens", "must be at least 1")
+        if st.max_tokens > room:
+            raise InvalidRequest(
+                "stopping.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({st.max_tokens}) exceeds the limit of "
+                f"{len(ids) + room} tokens (model context {limits.max_model_len}, KV cache {limits.kv_capacity_tokens})", grpc.StatusCode.OUT_OF_RANGE,
+            )
+        max_tokens = st.max_tokens
+    else:
+        max_tokens = room
+    min_tokens = st.min_tokens if st.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        raise InvalidRequest("stopping.min_tokens", f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})")
+    return GenerationInput(
+        request_id=req.request_id or uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        n=n,
+        max_tokens=max_tokens,
+        stop=tuple(st.stop),
+        stop_token_ids=frozenset(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        min_tokens=min_tokens,
+        include_stop_str_in_output=st.include_stop_str_in_output,
+        priority=req.priority,
+    )

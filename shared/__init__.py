@@ -1,0 +1,1 @@
+"""Code both services share. Torch-free: the scheduler imports it."""

@@ -1,0 +1,38 @@
+"""structlog set-up shared by both services.
+
+JSON lines when stderr is not a terminal (containers, log shippers), readable
+console output on a terminal. Request ids are bound with
+`structlog.contextvars.bind_contextvars` so every line of a request carries it.
+Prompt and output text are never logged at INFO or above.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", json: bool | None = None, service: str = "") -> None:
+    if json is None:
+        json = not sys.stderr.isatty()
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    processors = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if json:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors += [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    if service:
+        structlog.contextvars.bind_contextvars(service=service)

