@@ -26,13 +26,13 @@ class EnvArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose long options default to their environment variable."""
 
     def __init__(self, *args, environ: Mapping[str, str], **kwargs):
-        super().__init__(*args, **kwargs)
         self._environ = environ
         self.env_names: list[str] = []
+        super().__init__(*args, **kwargs)
 
     def add_argument(self, *names, **kwargs):
         flag = next((n for n in names if n.startswith("--")), None)
-        if flag is not None:
+        if flag is not None and flag != "--help":
             name = env_name(flag)
             self.env_names.append(name)
             if name in self._environ:

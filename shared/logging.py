@@ -19,8 +19,14 @@ def configure_logging(level: str = "info", json: bool | None = None, service: st
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
+    def add_service(_, __, event: dict) -> dict:
+        # Not a contextvar: the forward-pass thread must carry it too.
+        event.setdefault("service", service)
+        return event
+
     processors = [
         structlog.contextvars.merge_contextvars,
+        *([add_service] if service else []),
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -34,5 +40,3 @@ def configure_logging(level: str = "info", json: bool | None = None, service: st
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    if service:
-        structlog.contextvars.bind_contextvars(service=service)
