@@ -175,8 +175,8 @@ class Engine:
             raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
         if gen.request_id in self._handles:
             raise KeyError(gen.request_id)
-        if self.scheduler.num_waiting + gen.n > self.config.max_waiting:
-            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (limit --max-waiting {self.config.max_waiting})")
+        if len(self.scheduler.waiting) + gen.n > self.config.max_waiting:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (limit --max-waiting {self.config.max_waiting})")
         handle = RequestHandle(gen.request_id, gen.n)
         eos = frozenset(self.info.eos_token_ids)
         masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
@@ -261,7 +261,7 @@ class Engine:
         """The step loop; runs until cancelled."""
         sched = self.scheduler
         while True:
-            if not sched.has_unfinished_requests() and not sched.has_pending_finished():
+            if not sched.has_unfinished_requests():
                 if await self._idle_until_work_or_loss():
                     await self._recover("the executor connection dropped while idle")
                 continue

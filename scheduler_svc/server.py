@@ -144,7 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         msg = pb.ServerStatus(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.kv_blocks_total,
             kv_blocks_used=s.kv_blocks_used, kv_blocks_cached_free=s.kv_blocks_cached_free,
-            prefix_cache_queries_tokens=s.prefix_cache_queries, prefix_cache_hits_tokens=s.prefix_cache_hits,
+            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens, prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
             num_preemptions=s.num_preemptions, executor_connected=self.engine.connected, num_steps=s.num_steps,
         )
         if request.include_requests:

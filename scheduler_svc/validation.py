@@ -57,10 +57,9 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str) -> list[int]:
         raise InvalidRequest(field, "the served model has no chat template; send text or token_ids")
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in chat.messages], add_gen)
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], add_gen)
     except ValueError as e:
         raise InvalidRequest(field, str(e)) from e
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def prompt_token_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:

@@ -1,0 +1,138 @@
+"""Bad input gets a clear error and changes nothing.
+
+Table-driven: every invalid request is answered with the right status code and
+a BadRequest field violation naming the field; afterwards a normal request
+still succeeds and no KV block is held.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve_client import Client, build_request
+from tests.servers import Servers
+
+pytestmark = pytest.mark.e2e
+INVALID, OUT_OF_RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
+
+
+def chat(messages) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in messages)
+    return req
+
+
+def with_sampling(**kw) -> pb.GenerateRequest:
+    return build_request("Hello", **kw)
+
+
+CASES = [
+    ("no prompt", pb.GenerateRequest(), INVALID, "prompt"),
+    ("empty prompt", pb.GenerateRequest(text=""), INVALID, "prompt.text"),
+    ("token id outside vocab", build_request(token_ids=[1, 2, 49152]), INVALID, "prompt.token_ids.ids"),
+    ("prompt longer than context", build_request(token_ids=[100] * 8300), OUT_OF_RANGE, "prompt.token_ids"),
+    ("prompt + max_tokens beyond context", build_request(token_ids=[100] * 8000, max_tokens=500), OUT_OF_RANGE, "stopping.max_tokens"),
+    ("max_tokens zero", with_sampling(max_tokens=0), INVALID, "stopping.max_tokens"),
+    ("negative temperature", with_sampling(temperature=-0.5), INVALID, "sampling.temperature"),
+    ("NaN temperature", with_sampling(temperature=math.nan), INVALID, "sampling.temperature"),
+    ("top_p zero", with_sampling(top_p=0.0), INVALID, "sampling.top_p"),
+    ("top_p above one", with_sampling(top_p=1.5), INVALID, "sampling.top_p"),
+    ("top_k below -1", with_sampling(top_k=-2), INVALID, "sampling.top_k"),
+    ("min_p above one", with_sampling(min_p=1.5), INVALID, "sampling.min_p"),
+    ("repetition penalty zero", with_sampling(repetition_penalty=0.0), INVALID, "sampling.repetition_penalty"),
+    ("presence penalty too big", with_sampling(presence_penalty=2.5), INVALID, "sampling.presence_penalty"),
+    ("frequency penalty too small", with_sampling(frequency_penalty=-3.0), INVALID, "sampling.frequency_penalty"),
+    ("n zero", with_sampling(n=0), INVALID, "sampling.n"),
+    ("n above the maximum", with_sampling(n=17), INVALID, "sampling.n"),
+    ("logprobs above 20", with_sampling(logprobs=21), INVALID, "sampling.logprobs"),
+    ("too many stop strings", build_request("Hi", stop=[f"s{i}" for i in range(17)]), INVALID, "stopping.stop"),
+    ("stop string too long", build_request("Hi", stop=["x" * 257]), INVALID, "stopping.stop[0]"),
+    ("empty stop string", build_request("Hi", stop=[""]), INVALID, "stopping.stop[0]"),
+    ("min_tokens above max_tokens", with_sampling(max_tokens=4, min_tokens=5), INVALID, "stopping.min_tokens"),
+    ("unknown chat role", chat([("user", "hi"), ("wizard", "abracadabra")]), INVALID, "prompt.chat.messages[1].role"),
+    ("chat without messages", chat([]), INVALID, "prompt.chat.messages"),
+    ("stop token id outside vocab", build_request("Hi", stop_token_ids=[10**6]), INVALID, "stopping.stop_token_ids"),
+]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "1"],
+                 scheduler_args=["--max-message-bytes", "65536", "--max-waiting", "4", "--max-num-seqs", "2"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(servers):
+    with Client(servers.public_addr) as c:
+        yield c
+
+
+def call(client: Client, req: pb.GenerateRequest):
+    return list(client._stub.Generate(req, timeout=60))
+
+
+@pytest.mark.parametrize("name,req,code,field", CASES, ids=[c[0] for c in CASES])
+def test_invalid_request_is_rejected_with_field(client, name, req, code, field):
+    with pytest.raises(grpc.RpcError) as info:
+        call(client, req)
+    err = info.value
+    assert err.code() == code, err.details()
+    status = rpc_status.from_call(err)
+    assert status is not None, "rich status details missing"
+    violation = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(violation)
+    assert violation.field_violations[0].field == field
+    assert violation.field_violations[0].description
+
+
+def test_oversized_message_gets_resource_exhausted(client):
+    with pytest.raises(grpc.RpcError) as info:
+        call(client, build_request("x " * 40000))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_duplicate_live_request_id_gets_already_exists(client):
+    stream = client.generate("Tell me a long story about a dragon.", request_id="dup-1", max_tokens=200, ignore_eos=True)
+    first = next(stream)
+    assert first.request_id == "dup-1"
+    with pytest.raises(grpc.RpcError) as info:
+        call(client, build_request("Hi", request_id="dup-1"))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stream.cancel()
+
+
+def test_full_waiting_queue_gets_resource_exhausted(client):
+    # --max-num-seqs 2 and --max-waiting 4: eight long requests cannot all be queued.
+    codes, lock = [], threading.Lock()
+
+    def one(i):
+        try:
+            client.complete(f"Request {i}:", max_tokens=64, ignore_eos=True, timeout=120)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        with lock:
+            codes.append(code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert grpc.StatusCode.OK in codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def test_server_still_serves_and_holds_no_blocks_afterwards(client):
+    out = client.complete("The capital of France is", max_tokens=5, temperature=0.0)[0]
+    assert out.completion_tokens == 5 or out.finish_reason == "stop"
+    status = client.server_status()
+    assert status.kv_blocks_used == 0 and status.num_running == 0 and status.num_waiting == 0
