@@ -124,28 +124,48 @@ class Client:
 
 
 class AsyncClient:
+    """Every call takes `metadata`: extra (key, value) pairs sent with that call only, after the
+    client's own (a gateway passes each caller's `authorization` this way; then give the client no token)."""
+
     def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None):
         creds = _credentials(tls_ca)
         self._channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
 
-    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md)
-        async for msg in call:
-            yield msg
+    async def generate(self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md + tuple(metadata))
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            # A consumer that stops early (or is cancelled) must not leave the request generating:
+            # cancelling makes the scheduler free its KV blocks. A no-op once the call has ended.
+            call.cancel()
 
-    async def complete(self, prompt=None, *, timeout: float | None = None, **kwargs) -> list[Completion]:
+    async def complete(self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs) -> list[Completion]:
         out: dict[int, Completion] = {}
-        async for msg in self.generate(prompt, timeout=timeout, **kwargs):
+        async for msg in self.generate(prompt, timeout=timeout, metadata=metadata, **kwargs):
             out.setdefault(msg.index, Completion()).add(msg)
         return [out[i] for i in sorted(out)]
 
-    async def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
-        return await self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
+    async def detokenize(self, token_ids, skip_special_tokens: bool = True, *, metadata=()) -> str:
+        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._stub.Detokenize(req, metadata=self._md + tuple(metadata))).text
 
-    async def model_info(self) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md)
+    async def server_status(self, include_requests: bool = False, *, metadata=()) -> pb.ServerStatus:
+        req = pb.GetServerStatusRequest(include_requests=include_requests)
+        return await self._stub.GetServerStatus(req, metadata=self._md + tuple(metadata))
+
+    async def model_info(self, *, metadata=()) -> pb.ModelInfo:
+        return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md + tuple(metadata))
+
+    async def health(self, service: str = "", timeout: float | None = None) -> int:
+        """The standard gRPC health status (a `HealthCheckResponse.ServingStatus` value); needs no token."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        req = health_pb2.HealthCheckRequest(service=service)
+        return (await health_pb2_grpc.HealthStub(self._channel).Check(req, timeout=timeout)).status
 
     async def close(self) -> None:
         await self._channel.close()

@@ -1,0 +1,221 @@
+"""HTTP routes: OpenAI's API on top of `pagedserve_client.AsyncClient`.
+
+    GET  /v1/models, /v1/models/{id}   the scheduler's one model
+    POST /v1/completions               a text or token-id prompt
+    POST /v1/chat/completions          messages through the model's chat template
+    GET  /health                       200 while the scheduler's gRPC health is SERVING, else 503
+
+Nothing here schedules: each HTTP request is one `Generate` call, and the
+caller's Authorization header rides along as gRPC metadata for the scheduler to
+check. A client that disconnects cancels its gRPC call, which is what makes the
+scheduler free the request's KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from openai_gateway.config import GatewayConfig
+from openai_gateway.translate import (
+    COMPLETION, APIError, Translated, chat_request, chunk_json, completion_request, finish_reason, from_grpc,
+    logprob_token_ids, logprobs_json, response_json, usage_chunk_json,
+)
+from pagedserve_client import AsyncClient, Completion
+
+log = structlog.get_logger("openai_gateway")
+_DONE = "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _auth(request: Request) -> tuple:
+    """The caller's credentials, passed through untouched: the scheduler is the one that checks them."""
+    value = request.headers.get("authorization")
+    return (("authorization", value),) if value else ()
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the server's next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Awaits `awaitable`; if the HTTP client goes away first, cancels it (and with it the gRPC call)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        finished = work.done()
+        if not finished:
+            work.cancel()
+    if not finished:
+        raise _ClientGone()
+    return work.result()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client: AsyncClient | None = None  # made in `lifespan`: a grpc.aio channel belongs to its event loop
+        self.started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.client = AsyncClient(self.config.scheduler, tls_ca=self.config.scheduler_tls_ca or None)
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    async def health(self, request: Request) -> Response:
+        try:
+            status = await self.client.health(timeout=2.0)
+        except grpc.RpcError:
+            status = health_pb2.HealthCheckResponse.UNKNOWN
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        return JSONResponse({"status": name}, status_code=200 if status == health_pb2.HealthCheckResponse.SERVING else 503)
+
+    async def _model_card(self, request: Request) -> dict:
+        try:
+            info = await self.client.model_info(metadata=_auth(request))
+        except grpc.RpcError as e:
+            raise from_grpc(e, {}) from e
+        return {"id": self.config.served_model_name or info.model_name, "object": "model", "created": self.started,
+                "owned_by": "pagedserve", "max_model_len": info.max_model_len_tokens}
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [await self._model_card(request)]})
+
+    async def get_model(self, request: Request) -> Response:
+        card = await self._model_card(request)
+        if request.path_params["model"] != card["id"]:
+            raise APIError(404, f"model {request.path_params['model']!r} not found; this server serves {card['id']!r}",
+                           "model", "model_not_found")
+        return JSONResponse(card)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, completion_request(await _json_body(request)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat_request(await _json_body(request)))
+
+    async def _token_text(self, token_ids: set[int], metadata) -> dict[int, str]:
+        """Each token's own text, for logprobs (the stream carries ids only). One small RPC per
+        distinct id, concurrently: fine on the loopback hop, and only when logprobs are asked for."""
+        ids = sorted(token_ids)
+        texts = await asyncio.gather(*(self.client.detokenize([i], skip_special_tokens=False, metadata=metadata) for i in ids))
+        return dict(zip(ids, texts))
+
+    async def _generate(self, request: Request, t: Translated) -> Response:
+        md = _auth(request)
+        response_id = ("cmpl-" if t.kind == COMPLETION else "chatcmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        headers = {"x-request-id": response_id}
+        try:
+            if not t.stream:
+                samples = await _unless_disconnected(request, self.client.complete(request_id=response_id, metadata=md, **t.kwargs))
+                logprobs = [None] * len(samples)
+                if t.logprobs:
+                    text = await self._token_text(set().union(*(logprob_token_ids(s.logprobs) for s in samples)), md)
+                    logprobs = [logprobs_json(t.kind, s.logprobs, text) for s in samples]
+                return JSONResponse(response_json(t, response_id, created, samples, logprobs), headers=headers)
+            # Wait for the first message before answering 200: a request the scheduler rejects
+            # gets a proper HTTP error instead of an error event inside a started stream.
+            gen = self.client.generate(request_id=response_id, metadata=md, **t.kwargs)
+            first = await _unless_disconnected(request, anext(gen))
+        except grpc.RpcError as e:
+            raise from_grpc(e, t.renames) from e
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the gRPC call is already cancelled
+        return StreamingResponse(self._stream(t, response_id, created, first, gen, md), media_type="text/event-stream",
+                                 headers={**headers, "cache-control": "no-cache"})
+
+    async def _stream(self, t: Translated, response_id: str, created: int, first, gen, md):
+        """SSE chunks, one per gRPC message that carries something. On disconnect the server
+        cancels this generator, which cancels the gRPC call (see AsyncClient.generate)."""
+        samples: dict[int, Completion] = {}
+        try:
+            msg = first
+            while msg is not None:
+                is_first = msg.index not in samples
+                sample = samples.setdefault(msg.index, Completion())
+                logprobs = None
+                if t.logprobs and msg.logprobs:
+                    text = await self._token_text(logprob_token_ids(msg.logprobs), md)
+                    logprobs = logprobs_json(t.kind, msg.logprobs, text, offset=len(sample.text))
+                sample.add(msg)
+                finish = finish_reason(msg)
+                if msg.text or logprobs or finish or is_first:
+                    yield _sse(chunk_json(t, response_id, created, msg.index, msg.text, finish, logprobs, is_first))
+                msg = await anext(gen, None)
+            if t.include_usage:
+                yield _sse(usage_chunk_json(t, response_id, created, [samples[i] for i in sorted(samples)]))
+        except grpc.RpcError as e:
+            # Headers are sent: the error travels as an event (the OpenAI client raises it).
+            err = from_grpc(e, t.renames)
+            log.warning("stream_failed", request_id=response_id, status=err.status, code=e.code().name)
+            yield _sse(err.body())
+        finally:
+            await gen.aclose()
+        yield _DONE
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    if exc.status >= 500:
+        log.warning("request_failed", path=request.url.path, status=exc.status, message=exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, code)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal_error", path=request.url.path, error=repr(exc))
+    return JSONResponse(APIError(500, "internal error in the gateway").body(), status_code=500)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gw = Gateway(config)
+    routes = [
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/v1/models", gw.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.get_model, methods=["GET"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
+    ]
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)

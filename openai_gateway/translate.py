@@ -1,0 +1,300 @@
+"""OpenAI JSON <-> PagedServe `Generate` calls, and gRPC errors -> OpenAI error bodies.
+
+Pure functions, no I/O. Requests are checked only as far as translating them
+needs (types the protobuf fields can hold, features this server does not have);
+every range and limit is the scheduler's to check, and its BadRequest field
+violation comes back named as the OpenAI parameter (`sampling.temperature` ->
+`temperature`).
+
+The `model` field is required and may be any string: the gateway fronts exactly
+one model, and responses echo the caller's value.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve_client import Completion
+
+COMPLETION, CHAT = "text_completion", "chat.completion"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
+_UINT32, _INT32, _UINT64 = (0, 2**32 - 1), (-(2**31), 2**31 - 1), (0, 2**64 - 1)
+
+
+class APIError(Exception):
+    """Sent back as OpenAI's `{"error": {...}}` body with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code); anything else is a 500.
+_FROM_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "context_length_exceeded"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+
+
+def _field_violation(err: grpc.RpcError) -> error_details_pb2.BadRequest.FieldViolation | None:
+    try:
+        status = rpc_status.from_call(err)  # works on grpc.aio.AioRpcError too: same sync accessors
+    except ValueError:
+        return None
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad) and bad.field_violations:
+            return bad.field_violations[0]
+    return None
+
+
+def from_grpc(err: grpc.RpcError, renames: Mapping[str, str]) -> APIError:
+    """`renames` maps gRPC field prefixes to the OpenAI parameter the caller used (most specific first)."""
+    status, type_, code = _FROM_GRPC.get(err.code(), (500, "server_error", None))
+    violation = _field_violation(err)
+    if violation is None:
+        return APIError(status, err.details() or err.code().name, None, code, type_)
+    param = next((name + violation.field[len(p):] for p, name in renames.items() if violation.field.startswith(p)), None)
+    param = param or violation.field.removeprefix("sampling.").removeprefix("stopping.")
+    return APIError(status, f"{param}: {violation.description}", param, code, type_)
+
+
+@dataclass(frozen=True)
+class Translated:
+    """One OpenAI request, ready for `AsyncClient.generate(**kwargs)`."""
+
+    kind: str  # COMPLETION or CHAT
+    model: str
+    kwargs: dict
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # whether the response carries log-probabilities
+    renames: dict[str, str]  # gRPC field prefix -> the OpenAI parameter, for from_grpc
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+def _typed(body: Mapping, name: str, kind: type, what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):  # JSON true is no number
+        raise _bad(name, f"expected {what}, got {type(value).__name__}")
+    return value
+
+
+def _num(body, name):
+    return _typed(body, name, (int, float), "a number")
+
+
+def _int(body, name, bounds):
+    value = _typed(body, name, int, "an integer")
+    if value is not None and not bounds[0] <= value <= bounds[1]:
+        raise _bad(name, f"must be an integer in [{bounds[0]}, {bounds[1]}], got {value}")
+    return value
+
+
+def _token_ids(value) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
+        return value
+    return None
+
+
+def _stop(body) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("stop", "expected a string or a list of strings")
+    return stop
+
+
+def _unsupported(body, name: str, allowed=(None,)) -> None:
+    if body.get(name) not in allowed:
+        raise _bad(name, "not supported by this server")
+
+
+def _common(body: Mapping) -> tuple[dict, bool, bool]:
+    """The fields both endpoints share -> (generate kwargs, stream, include_usage)."""
+    if not isinstance(body.get("model"), str):
+        raise _bad("model", "required: the model's name (any string; this server serves one model)")
+    kwargs = dict(
+        temperature=_num(body, "temperature"), top_p=_num(body, "top_p"), min_p=_num(body, "min_p"),
+        presence_penalty=_num(body, "presence_penalty"), frequency_penalty=_num(body, "frequency_penalty"),
+        repetition_penalty=_num(body, "repetition_penalty"), top_k=_int(body, "top_k", _INT32),
+        n=_int(body, "n", _UINT32), seed=_int(body, "seed", _UINT64), min_tokens=_int(body, "min_tokens", _UINT32),
+        ignore_eos=_typed(body, "ignore_eos", bool, "a boolean"), stop=_stop(body),
+        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", bool, "a boolean"),
+        priority=_int(body, "priority", _INT32) or 0,
+    )
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and stop_ids != [] and _token_ids(stop_ids) is None:
+        raise _bad("stop_token_ids", "expected a list of token ids")
+    kwargs["stop_token_ids"] = stop_ids or []
+    _unsupported(body, "logit_bias", (None, {}))
+    stream = bool(_typed(body, "stream", bool, "a boolean"))
+    options = _typed(body, "stream_options", dict, "an object") or {}
+    include_usage = bool(_typed(options, "include_usage", bool, "a boolean"))
+    if options and not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    return kwargs, stream, include_usage
+
+
+def completion_request(body: Mapping) -> Translated:
+    """POST /v1/completions. One prompt per request: a list of several prompts is rejected."""
+    kwargs, stream, include_usage = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # ["text"] or [[ids]]: a batch of one
+    if isinstance(prompt, str):
+        kwargs["prompt"] = prompt
+    elif _token_ids(prompt) is not None:
+        kwargs["token_ids"] = prompt
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise _bad("prompt", "one prompt per request: send each prompt of a batch as its own request")
+    else:
+        raise _bad("prompt", "expected a string or a non-empty list of token ids")
+    kwargs["max_tokens"] = _int(body, "max_tokens", _UINT32)
+    if kwargs["max_tokens"] is None:
+        kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    kwargs["logprobs"] = _int(body, "logprobs", _UINT32)
+    _unsupported(body, "echo", (None, False))
+    _unsupported(body, "suffix", (None, ""))
+    best_of = _int(body, "best_of", _UINT32)
+    if best_of is not None and best_of != (kwargs["n"] or 1):
+        raise _bad("best_of", "only best_of == n is supported")
+    renames = {"prompt.token_ids.ids": "prompt", "prompt.token_ids": "prompt", "prompt.text": "prompt"}
+    return Translated(COMPLETION, body["model"], kwargs, stream, include_usage, kwargs["logprobs"] is not None, renames)
+
+
+def _message(i: int, m) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise _bad(f"messages[{i}]", "expected an object with a role")
+    if m.get("tool_calls") or m.get("function_call"):
+        raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
+    # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+    return {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+
+
+def chat_request(body: Mapping) -> Translated:
+    """POST /v1/chat/completions. Text only: tools, functions and non-text formats are rejected."""
+    kwargs, stream, include_usage = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "expected a non-empty list of messages")
+    kwargs["messages"] = [_message(i, m) for i, m in enumerate(messages)]
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    kwargs["max_tokens"] = _int(body, max_name, _UINT32)
+    want_logprobs = bool(_typed(body, "logprobs", bool, "a boolean"))
+    top = _int(body, "top_logprobs", _UINT32)
+    if top is not None and not want_logprobs:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    kwargs["logprobs"] = (top or 0) if want_logprobs else None
+    for name in ("tools", "functions"):
+        _unsupported(body, name, (None, []))
+    _unsupported(body, "tool_choice", (None, "none"))
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    renames = {"prompt.chat.messages": "messages", "prompt.chat": "messages", "prompt": "messages",
+               "sampling.logprobs": "top_logprobs", "stopping.max_tokens": max_name}
+    return Translated(CHAT, body["model"], kwargs, stream, include_usage, want_logprobs, renames)
+
+
+def finish_reason(msg: pb.GenerateResponse) -> str | None:
+    """'stop' / 'length' on a sample's last message ('abort' if the scheduler cancelled it), else None."""
+    if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    return pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def logprob_token_ids(logprobs) -> set[int]:
+    """Every token id whose text a logprobs block shows: the sampled ones and their alternatives."""
+    return {lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs for t in lp.top}
+
+
+def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0) -> dict:
+    """OpenAI's logprobs object. Completions' `text_offset` counts characters from `offset`
+    (the sample's text length before these tokens); its top_logprobs include the sampled token."""
+    if kind == CHAT:
+        def entry(token_id, logprob):
+            return {"token": text[token_id], "logprob": logprob, "bytes": list(text[token_id].encode())}
+        content = [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+                   for lp in logprobs]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(text[lp.token_id])
+    return {
+        "tokens": [text[lp.token_id] for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{**{text[t.token_id]: t.logprob for t in lp.top}, text[lp.token_id]: lp.logprob} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def usage_json(samples: list[Completion]) -> dict:
+    """All samples share the prompt (and its cache hits); their outputs add up."""
+    prompt = samples[0].prompt_tokens
+    completion = sum(s.completion_tokens for s in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": samples[0].cached_prompt_tokens}}
+
+
+def response_json(t: Translated, response_id: str, created: int, samples: list[Completion],
+                  logprobs: list[dict | None]) -> dict:
+    """The whole non-streaming response; `logprobs[i]` is sample i's logprobs object (or None)."""
+    choices = []
+    for i, (s, lp) in enumerate(zip(samples, logprobs)):
+        body = {"text": s.text} if t.kind == COMPLETION else {"message": {"role": "assistant", "content": s.text}}
+        choices.append({"index": i, **body, "logprobs": lp, "finish_reason": s.finish_reason})
+    return {"id": response_id, "object": t.kind, "created": created, "model": t.model, "choices": choices,
+            "usage": usage_json(samples)}
+
+
+def chunk_json(t: Translated, response_id: str, created: int, index: int, text: str, finish: str | None,
+               logprobs: dict | None, first: bool) -> dict:
+    """One streamed chunk for one sample; a chat sample's `first` chunk also names the role."""
+    if t.kind == COMPLETION:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
+            "created": created, "model": t.model, "choices": [choice], **({"usage": None} if t.include_usage else {})}
+
+
+def usage_chunk_json(t: Translated, response_id: str, created: int, samples: list[Completion]) -> dict:
+    """The last chunk when stream_options.include_usage: no choices, the whole request's usage."""
+    return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
+            "created": created, "model": t.model, "choices": [], "usage": usage_json(samples)}
