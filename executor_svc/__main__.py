@@ -16,13 +16,18 @@ log = structlog.get_logger("executor_svc")
 async def run(config) -> int:
     from grpc_health.v1 import health_pb2
 
+    from executor_svc.metrics import ExecutorMetrics
     from executor_svc.server import SERVICE_NAME, serve
+    from shared.metrics_http import serve_metrics
     from executor_svc.worker import Worker
 
     worker = Worker(config)
     log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype), device=worker.device.type,
              attention_backend=worker.attn_backend.name)
-    server, health = await serve(worker, config.listen, config.auth_token)
+    metrics = ExecutorMetrics()
+    if config.metrics_listen:
+        serve_metrics(config.metrics_listen, metrics.registry)
+    server, health = await serve(worker, config.listen, metrics, config.auth_token)
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor_serving", listen=config.listen)

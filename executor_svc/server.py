@@ -15,6 +15,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_svc.metrics import ExecutorMetrics
 from executor_svc.worker import Worker
 from shared.grpc_auth import BearerAuthInterceptor
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -26,8 +27,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, state: Worker):
+    def __init__(self, state: Worker, metrics: ExecutorMetrics):
         self._state = state
+        self._metrics = metrics
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._instance_id = uuid.uuid4().hex
         self._active_stream: grpc.aio.ServicerContext | None = None
@@ -74,13 +76,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             async for msg in request_iterator:
                 plan = plan_from_proto(msg)
                 result = await loop.run_in_executor(self._worker, self._state.runner.execute, plan)
+                self._metrics.observe(plan, result)
                 yield result_to_proto(result)
         finally:
             if self._active_stream is context:
                 self._active_stream = None
 
 
-async def serve(state: Worker, listen: str, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:
+async def serve(state: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:
     interceptors = [BearerAuthInterceptor((auth_token,))] if auth_token else []
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -91,7 +94,7 @@ async def serve(state: Worker, listen: str, auth_token: str = "") -> tuple[grpc.
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ],
     )
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(state), server)
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(state, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

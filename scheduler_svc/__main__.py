@@ -74,6 +74,11 @@ async def run(config) -> int:
                 asyncio.ensure_future(health_servicer.set(name, serving if connected else not_serving))
 
     engine.on_connection_change(on_connection)
+    if config.metrics_listen:
+        from shared.metrics_http import serve_metrics
+
+        serve_metrics(config.metrics_listen, engine.metrics.registry)
+        log.info("metrics_listening", listen=config.metrics_listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

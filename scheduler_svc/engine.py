@@ -21,6 +21,7 @@ import structlog
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
@@ -92,6 +93,8 @@ class _Sample:
     index: int
     request: Request
     detok: IncrementalDetokenizer
+    first_scheduled: float | None = None
+    last_token_time: float | None = None  # None until the first token
 
 
 @dataclass(eq=False)
@@ -104,6 +107,8 @@ class RequestHandle:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sample_ids: list[str] = field(default_factory=list)
     num_open: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # over all samples, for the request's log line
 
 
 class Engine:
@@ -119,6 +124,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
         self._on_connection_change = []  # callbacks(connected: bool)
+        self.metrics = SchedulerMetrics(self)
 
     # ---- start-up and recovery -------------------------------------------------
 
@@ -177,7 +183,7 @@ class Engine:
             raise KeyError(gen.request_id)
         if len(self.scheduler.waiting) + gen.n > self.config.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (limit --max-waiting {self.config.max_waiting})")
-        handle = RequestHandle(gen.request_id, gen.n)
+        handle = RequestHandle(gen.request_id, gen.n, prompt_tokens=len(gen.prompt_token_ids))
         eos = frozenset(self.info.eos_token_ids)
         masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
         for i in range(gen.n):
@@ -204,6 +210,7 @@ class Engine:
             if sample_id in self._samples:
                 self.scheduler.abort_request(sample_id)
                 self._samples.pop(sample_id)
+                self.metrics.request_success.labels(FinishReason.ABORT.value).inc()
         if self._handles.pop(handle.request_id, None) is not None:
             self._log_finished(handle, "abort")
         self._wakeup.set()
@@ -220,6 +227,12 @@ class Engine:
     def _finish(self, sample: _Sample, out: SampleOutput) -> None:
         self._samples.pop(sample.request.request_id, None)
         handle = sample.handle
+        m, req = self.metrics, sample.request
+        m.request_success.labels(out.finish_reason.value).inc()
+        m.prompt_tokens.inc(req.num_prompt_tokens)
+        m.prompt_len.observe(req.num_prompt_tokens)
+        m.generation_len.observe(req.num_output_tokens)
+        m.e2e.observe(time.monotonic() - handle.arrival)
         handle.queue.put_nowait(out)
         handle.num_open -= 1
         if handle.num_open == 0 and self._handles.pop(handle.request_id, None) is not None:
@@ -227,6 +240,7 @@ class Engine:
 
     def _log_finished(self, handle: RequestHandle, reason: str) -> None:
         log.info("request_finished", request_id=handle.request_id, n=handle.n, finish_reason=reason,
+                 prompt_tokens=handle.prompt_tokens, output_tokens=handle.output_tokens,
                  latency_s=round(time.monotonic() - handle.arrival, 4))
 
     # ---- the step loop ------------------------------------------------------------
@@ -240,6 +254,7 @@ class Engine:
                 self._fail_sample(out.request_id, out.error)
                 continue
             req = sample.request
+            self._observe_tokens(sample, len(out.new_token_ids))
             delta = sample.detok.add_tokens(out.new_token_ids)
             msg = SampleOutput(sample.index, list(out.new_token_ids), delta.text, list(out.new_logprobs))
             if delta.matched_stop is not None:
@@ -257,6 +272,27 @@ class Engine:
             msg.cached_prompt_tokens = max(req.num_cached_tokens, 0)
             self._finish(sample, msg)
 
+    def _observe_tokens(self, sample: _Sample, count: int) -> None:
+        if not count:
+            return
+        now = time.monotonic()
+        m = self.metrics
+        if sample.last_token_time is None:
+            m.ttft.observe(now - sample.handle.arrival)
+        else:
+            m.itl.observe((now - sample.last_token_time) / count)
+        sample.last_token_time = now
+        m.generation_tokens.inc(count)
+        sample.handle.output_tokens += count
+
+    def _observe_scheduled(self, plan) -> None:
+        now = time.monotonic()
+        for new in plan.new_requests:
+            sample = self._samples.get(new.request_id)
+            if sample is not None and sample.first_scheduled is None:
+                sample.first_scheduled = now
+                self.metrics.queue_time.observe(now - sample.handle.arrival)
+
     async def run(self) -> None:
         """The step loop; runs until cancelled."""
         sched = self.scheduler
@@ -272,6 +308,7 @@ class Engine:
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
                 continue
+            self._observe_scheduled(plan)
             try:
                 result = await self.client.step(plan)
             except ExecutorLost as e:
