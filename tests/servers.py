@@ -6,6 +6,7 @@ API a free loopback port, so parallel test runs never collide.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,6 +89,7 @@ class Servers:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

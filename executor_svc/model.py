@@ -1,0 +1,236 @@
+"""Our Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+One forward runs a packed batch of new tokens from several requests (see
+AttentionMetadata); each layer appends the new K/V to the paged cache through
+the attention backend and attends over everything cached so far:
+
+    h = embed(input_ids)                                      [T, hidden]
+    per layer:
+        qkv = rms_norm(h) @ W_qkv (+ b_qkv)                   [T, (Hq + 2 Hkv) * D]
+        q, k = rope(q, k at positions);  v
+        write_kv(k, v -> slots);  o = attention(q over cache)  [T, Hq, D]
+        h = h + o @ W_o
+        gate, up = rms_norm(h) @ W_gate_up                    [T, 2 I]
+        h = h + (silu(gate) * up) @ W_down
+    return rms_norm(h)
+
+Numerics follow transformers' Llama so greedy outputs match it token for
+token: RMSNorm normalises in float32 and rounds before the weight multiply,
+rotary uses the "rotate_half" layout with cos/sin computed in float32, and
+logits are computed in the model dtype before the cast to float32.
+
+Weights are loaded by `load_weights` from tensors under transformers' names
+("model.layers.3.self_attn.q_proj.weight", ...); the GGUF loader renames to
+those, so one mapping serves both formats. Parameters are created empty (no
+random init: loading a checkpoint overwrites every one of them).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # The fused kernel matches the reference formula bit for bit in float32.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Reduced precision: normalise in float32, round, then scale, as HF does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2], float32, as transformers computes them."""
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponent)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    assert scaling["rope_type"] == "llama3", f"ModelConfig let through rope type {scaling['rope_type']!r}"
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin tables [max_position_embeddings, head_dim].
+
+    With x = [x1 | x2] (halves), rotate_half(x) = [-x2 | x1]. We store
+    sin_signed = [-sin | sin] so rope is x * cos + swap_halves(x) * sin_signed,
+    which rounds exactly like HF's x * cos + rotate_half(x) * sin.
+    """
+    inv_freq = rope_inv_freq(config)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).to(torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    cos_full = torch.cat((cos, cos), dim=-1)
+    sin_signed = torch.cat((-sin, sin), dim=-1)
+    return cos_full.to(device=device, dtype=dtype), sin_signed.to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (may be a strided view); cos/sin_signed [T, 1, D]."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin_signed
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.attn_backend = attn_backend
+        self.eps = config.rms_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_norm = _empty_param(hidden, dtype=dtype, device=device)
+        # Rows: [q heads | k heads | v heads]; one matmul instead of three.
+        self.qkv_weight = _empty_param(qkv_size, hidden, dtype=dtype, device=device)
+        self.qkv_bias = _empty_param(qkv_size, dtype=dtype, device=device) if config.attention_bias else None
+        self.o_weight = _empty_param(hidden, config.q_size, dtype=dtype, device=device)
+        self.post_norm = _empty_param(hidden, dtype=dtype, device=device)
+        # Rows: [gate | up].
+        self.gate_up_weight = _empty_param(2 * inter, hidden, dtype=dtype, device=device)
+        self.down_weight = _empty_param(hidden, inter, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = F.linear(rms_norm(h, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = qkv.view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
+        # q and k rotate together: one set of rope kernels for both.
+        qk = apply_rope(qkv[:, :qk_heads], cos, sin_signed)
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
+        k_cache, v_cache = kv_cache
+        self.attn_backend.write_kv(k, v, k_cache, v_cache, meta)
+        attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
+        h = h + F.linear(attn.reshape(num_tokens, -1), self.o_weight)
+
+        gate_up = F.linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.attn_backend = attn_backend
+        self.embed_tokens = _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attn_backend, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = _empty_param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        cos, sin_signed = rope_cache(config, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden].
+
+        The caller runs attn_backend.prepare(meta) once per step before this.
+        """
+        assert len(kv_caches) == len(self.layers), (
+            f"got {len(kv_caches)} KV caches for {len(self.layers)} layers"
+        )
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin_signed = self.rope_sin_signed[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin_signed, kv_cache, meta)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    @torch.no_grad()
+    def load_weights(self, tensor: Callable[[str], torch.Tensor]) -> None:
+        """Fills every parameter from `tensor(hf_name)`, which raises for a missing name.
+
+        q/k/v and gate/up are copied into their slices of the fused matrices;
+        each copy casts to this model's dtype and device.
+        """
+        cfg = self.config
+
+        def fill(dst: torch.Tensor, name: str) -> None:
+            src = tensor(name)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        fill(self.embed_tokens, "model.embed_tokens.weight")
+        fill(self.norm, "model.norm.weight")
+        if self.lm_head is not None:
+            fill(self.lm_head, "lm_head.weight")
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        inter = cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            fill(layer.input_norm, p + "input_layernorm.weight")
+            fill(layer.post_norm, p + "post_attention_layernorm.weight")
+            fill(layer.qkv_weight[:q_end], p + "self_attn.q_proj.weight")
+            fill(layer.qkv_weight[q_end:k_end], p + "self_attn.k_proj.weight")
+            fill(layer.qkv_weight[k_end:], p + "self_attn.v_proj.weight")
+            if layer.qkv_bias is not None:
+                fill(layer.qkv_bias[:q_end], p + "self_attn.q_proj.bias")
+                fill(layer.qkv_bias[q_end:k_end], p + "self_attn.k_proj.bias")
+                fill(layer.qkv_bias[k_end:], p + "self_attn.v_proj.bias")
+            fill(layer.o_weight, p + "self_attn.o_proj.weight")
+            fill(layer.gate_up_weight[:inter], p + "mlp.gate_proj.weight")
+            fill(layer.gate_up_weight[inter:], p + "mlp.up_proj.weight")
+            fill(layer.down_weight, p + "mlp.down_proj.weight")

@@ -1,0 +1,191 @@
+"""Our model against transformers, token for token, through the paged cache.
+
+Every float32 case runs on the dense test backend and on the real torch
+backend. The reference is transformers' greedy decoding with its own KV
+cache, one prompt at a time; ours batches prompts, splits a prefill into two
+chunks and reuses another request's cached prefix blocks, none of which may
+change a token.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.model_loader import load_model
+from model_utils import (
+    PagedEngine,
+    hf_greedy,
+    load_hf_folder,
+    make_backend,
+    same_weights,
+    save_tiny_hf_model,
+)
+
+BACKENDS = ["dense", "torch"]
+NUM_NEW = 20
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The machine is shared; a second BLAS thread mostly waits on other processes.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def assert_top5_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    ours_top = torch.log_softmax(ours.float(), -1).topk(5)
+    ref_top = torch.log_softmax(ref.float(), -1).topk(5)
+    assert ours_top.indices.tolist() == ref_top.indices.tolist()
+    assert torch.allclose(ours_top.values, ref_top.values, atol=LOGPROB_TOL, rtol=0), (
+        f"top-5 logprobs: ours {ours_top.values.tolist()} vs HF {ref_top.values.tolist()}"
+    )
+
+
+def greedy_batched(engine: PagedEngine, prompts: list[list[int]], num_new: int):
+    """All prompts prefilled in one forward, then batched decode steps.
+    Returns (new tokens per prompt, first-position logits [n, vocab])."""
+    seqs = [engine.add(p) for p in prompts]
+    first = engine.step([(s, len(s.token_ids)) for s in seqs])
+    for seq, token in zip(seqs, first.argmax(-1).tolist()):
+        seq.token_ids.append(token)
+    engine.decode(seqs, num_new - 1)
+    return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts)], first
+
+
+def greedy_chunked_with_prefix_hit(engine: PagedEngine, a_prompt, b_prompt, c_suffix, num_new: int):
+    """Three requests through mixed steps; returns the first num_new new tokens of each.
+
+    step 1: A's first half            | B's whole prompt
+    step 2: A's second half           | B decode
+    step 3: A decode | B decode | C = A's full prompt blocks (prefix hit, not recomputed) + c_suffix
+    then:   A, B, C decode together
+    """
+    bs = engine.block_size
+    a, b = engine.add(a_prompt), engine.add(b_prompt)
+    half = len(a_prompt) // 2
+    logits = engine.step([(a, half), (b, len(b_prompt))])  # A is mid-prompt: nothing to sample
+    b.token_ids.append(int(logits[1].argmax()))
+    logits = engine.step([(a, len(a_prompt) - half), (b, 1)])
+    for seq, token in zip((a, b), logits.argmax(-1).tolist()):
+        seq.token_ids.append(token)
+
+    shared_blocks = len(a_prompt) // bs
+    assert shared_blocks >= 2, "prompt A too short to share blocks"
+    c_prompt = a_prompt[: shared_blocks * bs] + c_suffix
+    c = engine.add(c_prompt, prefix_from=a, num_prefix_blocks=shared_blocks)
+    assert c.num_computed == shared_blocks * bs
+    logits = engine.step([(a, 1), (b, 1), (c, len(c_prompt) - c.num_computed)])
+    for seq, token in zip((a, b, c), logits.argmax(-1).tolist()):
+        seq.token_ids.append(token)
+    engine.decode([a, b, c], num_new - 1)
+    outs = [s.token_ids[len(p) : len(p) + num_new] for s, p in ((a, a_prompt), (b, b_prompt), (c, c_prompt))]
+    return outs, c_prompt
+
+
+# --- SmolLM2 (the embedded GGUF) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(hf_smollm2, english_prompts):
+    """Our float32 SmolLM2, HF's, the prompts as ids, and HF's greedy answers."""
+    hf_model, hf_tok = hf_smollm2
+    ours = load_model(None, torch.float32, torch.device("cpu"), make_backend("dense")).model
+    prompts = [hf_tok(english_prompts[i]).input_ids for i in (0, 2, 5)]
+    assert len({len(p) for p in prompts}) == 3, "want prompts of different lengths"
+    references = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
+    return ours, hf_model, prompts, references
+
+
+def test_embedded_gguf_config(smol):
+    config = smol[0].config
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.vocab_size, config.intermediate_size, config.rope_theta) == (49152, 1536, 100000.0)
+    assert config.tie_word_embeddings and config.rope_scaling is None and not config.attention_bias
+    assert (config.bos_token_id, config.eos_token_ids, config.max_position_embeddings) == (1, (2,), 8192)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_batched_greedy_matches_hf(smol, backend):
+    ours, _, prompts, references = smol
+    engine = PagedEngine(same_weights(ours, make_backend(backend)), num_blocks=32, block_size=16)
+    outs, first = greedy_batched(engine, prompts, NUM_NEW)
+    for out, (ref, ref_first, _), row in zip(outs, references, first):
+        assert out == ref
+        assert_top5_close(row, ref_first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_chunked_prefill_and_prefix_hit_match_hf(smol, backend):
+    ours, hf_model, prompts, references = smol
+    engine = PagedEngine(same_weights(ours, make_backend(backend)), num_blocks=32, block_size=16)
+    a_prompt, b_prompt = prompts[2], prompts[0]
+    c_suffix = prompts[1][:12]
+    num_new = 12
+    outs, c_prompt = greedy_chunked_with_prefix_hit(engine, a_prompt, b_prompt, c_suffix, num_new)
+    c_ref, _, _ = hf_greedy(hf_model, c_prompt, num_new)
+    assert outs == [references[2][0][:num_new], references[0][0][:num_new], c_ref]
+
+
+@pytest.mark.slow
+def test_smollm2_bfloat16_runs_and_starts_like_float32(smol):
+    ours, _, prompts, _ = smol
+    num_new = 8
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = same_weights(ours, make_backend("torch"), dtype)
+        assert model.embed_tokens.dtype == dtype
+        engine = PagedEngine(model, num_blocks=32, block_size=16)
+        outs[dtype], first = greedy_batched(engine, prompts, num_new)
+        assert first.dtype == torch.float32 and torch.isfinite(first).all()
+    # bf16 rounding may flip a near-tie later on; the first tokens must agree.
+    for f32, bf16 in zip(outs[torch.float32], outs[torch.bfloat16]):
+        assert bf16[:3] == f32[:3], f"bf16 {bf16} vs float32 {f32}"
+
+
+# --- tiny random models of each architecture -----------------------------------
+
+TINY_KINDS = ["llama3", "qwen2", "mistral", "llama_tied", "llama_linear"]
+
+
+def _random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """kind -> (HF model, folder), built once per module."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            folder = str(tmp_path_factory.mktemp(kind))
+            built[kind] = (save_tiny_hf_model(kind, folder), folder)
+        return built[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tiny_model_greedy_matches_hf(tiny, kind, backend):
+    hf_model, folder = tiny(kind)
+    ours = load_hf_folder(folder, make_backend(backend))
+    prompts = _random_prompts(ours.config.vocab_size, [5, 11, 23], seed=1)
+    num_new = 12
+    outs, first = greedy_batched(PagedEngine(ours, num_blocks=40, block_size=4), prompts, num_new)
+    for prompt, out, row in zip(prompts, outs, first):
+        ref, ref_first, _ = hf_greedy(hf_model, prompt, num_new)
+        assert out == ref
+        assert_top5_close(row, ref_first)
+
+    a, b, c_suffix = _random_prompts(ours.config.vocab_size, [14, 6, 5], seed=2)
+    engine = PagedEngine(same_weights(ours, make_backend(backend)), num_blocks=40, block_size=4)
+    outs, c_prompt = greedy_chunked_with_prefix_hit(engine, a, b, c_suffix, num_new)
+    assert outs == [hf_greedy(hf_model, p, num_new)[0] for p in (a, b, c_prompt)]
