@@ -118,6 +118,7 @@ class Engine:
         self.info: ExecutorInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self.scheduler: Scheduler | None = None
+        self.max_model_len = 0  # the model's, capped by what one sequence can hold
         self.connected = False
         self.draining = False
         self._samples: dict[str, _Sample] = {}
@@ -143,9 +144,19 @@ class Engine:
 
     def _scheduler_config(self, info: ExecutorInfo) -> SchedulerConfig:
         cfg = self.config
+        # One sequence must fit alone beside the watermark, or it could never
+        # finish; without chunked prefill its whole recompute must fit a step.
+        usable = info.num_kv_blocks - 1
+        max_len = min(info.max_model_len, (usable - int(cfg.watermark * usable)) * cfg.block_size)
+        if not cfg.enable_chunked_prefill:
+            max_len = min(max_len, cfg.max_num_batched_tokens)
+        if max_len < info.max_model_len:
+            log.warning("max_model_len_capped", model_max_len=info.max_model_len, max_model_len=max_len,
+                        reason="KV capacity" if cfg.enable_chunked_prefill else "no chunked prefill")
+        self.max_model_len = max_len
         return SchedulerConfig(
             block_size=cfg.block_size, num_blocks=info.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=info.max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
             watermark=cfg.watermark, enable_prefix_caching=cfg.enable_prefix_caching,
             enable_chunked_prefill=cfg.enable_chunked_prefill, hash_algo=cfg.hash_algo,
         )

@@ -64,9 +64,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _limits(self) -> Limits:
         info, cfg = self.engine.info, self.config
         return Limits(
-            vocab_size=info.vocab_size, max_model_len=info.max_model_len, max_n=cfg.max_n,
+            vocab_size=info.vocab_size, max_model_len=self.engine.max_model_len, max_n=cfg.max_n,
             max_stop_strings=cfg.max_stop_strings, max_stop_string_bytes=cfg.max_stop_string_bytes,
-            kv_capacity_tokens=(info.num_kv_blocks - 1) * cfg.block_size,
         )
 
     async def _require_engine(self, context) -> None:
@@ -132,7 +131,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         info, cfg = self.engine.info, self.config
         return pb.ModelInfo(
             model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
-            max_model_len_tokens=info.max_model_len, eos_token_ids=list(info.eos_token_ids),
+            max_model_len_tokens=self.engine.max_model_len, eos_token_ids=list(info.eos_token_ids),
             block_size_tokens=cfg.block_size, dtype=info.dtype, has_chat_template=self.engine.tokenizer.has_chat_template,
             max_n=cfg.max_n, max_logprobs=MAX_LOGPROBS, max_stop_strings=cfg.max_stop_strings,
             max_stop_string_bytes=cfg.max_stop_string_bytes,

@@ -36,9 +36,6 @@ class Limits:
     max_n: int
     max_stop_strings: int
     max_stop_string_bytes: int
-    # Tokens the whole KV cache holds: one sample must fit alone, or it could
-    # never finish (it would preempt itself forever).
-    kv_capacity_tokens: int
 
 
 def _check_range(field: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -134,19 +131,14 @@ def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: L
     if bad is not None:
         raise InvalidRequest("stopping.stop_token_ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
     ids = prompt_token_ids(req, tokenizer, limits)
-    room = min(limits.max_model_len, limits.kv_capacity_tokens) - len(ids)
-    if room < 1:
-        raise InvalidRequest(
-            f"prompt.{req.WhichOneof('prompt')}", f"the prompt has {len(ids)} tokens; the KV cache holds "
-            f"{limits.kv_capacity_tokens}", grpc.StatusCode.OUT_OF_RANGE,
-        )
+    room = limits.max_model_len - len(ids)
     if st.HasField("max_tokens"):
         if st.max_tokens == 0:
             raise InvalidRequest("stopping.max_tokens", "must be at least 1")
         if st.max_tokens > room:
             raise InvalidRequest(
-                "stopping.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({st.max_tokens}) exceeds the limit of "
-                f"{len(ids) + room} tokens (model context {limits.max_model_len}, KV cache {limits.kv_capacity_tokens})", grpc.StatusCode.OUT_OF_RANGE,
+                "stopping.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({st.max_tokens}) exceeds the context "
+                f"of {limits.max_model_len} tokens", grpc.StatusCode.OUT_OF_RANGE,
             )
         max_tokens = st.max_tokens
     else:

@@ -71,7 +71,12 @@ class Servers:
         self.scheduler = self._spawn(
             "scheduler_svc", ["--listen", self.public_addr, "--executor", self.executor_addr, *self.scheduler_args], "scheduler.log"
         )
-        wait_serving(self.public_addr, [self.executor, self.scheduler], timeout)
+        try:
+            wait_serving(self.public_addr, [self.executor, self.scheduler], timeout)
+        except (RuntimeError, TimeoutError) as e:
+            tails = "\n".join(f"--- {n} log ---\n{self.logs(n)[-3000:]}" for n in ("executor", "scheduler"))
+            self.stop()
+            raise RuntimeError(f"{e}\n{tails}") from e
         return self
 
     def logs(self, name: str) -> str:
