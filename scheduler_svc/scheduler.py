@@ -1,0 +1,480 @@
+"""The request scheduler: decides, step by step, which tokens of which requests get computed.
+
+One model of work, no prefill/decode phases: every live request has
+num_tokens (prompt + outputs) and num_computed_tokens (KV written); a step
+gives scheduled requests tokens to catch up, within a token budget
+(max_num_batched_tokens) and a request cap (max_num_seqs).
+
+    prefill chunk:  [ p p p p p p p p p p ]      computed 0, scheduled 6 (budget)
+    next step:      [ p p p p p p p p p p ]      computed 6, scheduled 4 -> samples o0
+    decode:         [ p p p p p p p p p p o0 ]   computed 10, scheduled 1 -> samples o1
+
+Each schedule(): running requests first, in admission order (preempting the
+lowest-priority, latest-arrived running request when a block is missing),
+then, if nobody was preempted, waiting requests by (priority, arrival).
+schedule() advances num_computed_tokens of the scheduled requests as if the
+step ran; update_from_result() appends the sampled tokens and finishes
+requests. Plans and results alternate: one result per plan, in order.
+
+The executor holds state for exactly the RUNNING requests (sent whole in
+new_requests when admitted, as deltas in cached_requests after). A running
+request that stops running (finished, aborted, preempted) is listed in the
+finished_request_ids of the next plan that schedules anything (for a
+preemption, the plan that preempts it), except after a failed step, whose
+requests the executor has already dropped.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from shared.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    num_blocks: int  # from the executor handshake, null block 0 included
+    max_model_len: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = off; else the most tokens one prefill gets per step
+    hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.hash_algo not in ("sha256", "blake2b"):
+            raise ValueError(f"hash_algo must be 'sha256' or 'blake2b', got {self.hash_algo!r}")
+        if not self.enable_chunked_prefill:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                    f">= max_model_len ({self.max_model_len}), or long prompts could never run"
+                )
+            if self.long_prefill_token_threshold:
+                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        # One sequence of max_model_len tokens must fit next to the admission
+        # watermark, or it could wait forever with nothing else running.
+        usable = self.num_blocks - 1
+        reserve = int(self.watermark * usable)
+        needed = -(-self.max_model_len // self.block_size)
+        if usable - reserve < needed:
+            raise ValueError(
+                f"KV cache too small: {usable} usable blocks minus a watermark of {reserve} cannot hold one "
+                f"max_model_len={self.max_model_len} sequence ({needed} blocks of {self.block_size} tokens); "
+                "lower max_model_len or give the executor more KV memory"
+            )
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class WaitingQueue:
+    """Requests waiting for admission, lowest priority value first.
+
+    Within a priority: pushed-to-front requests (preempted ones; the most
+    recently pushed first), then arrivals in arrival order.
+    """
+
+    def __init__(self) -> None:
+        # (priority, 0 = front / 1 = arrival, order within that, tie-break, request)
+        self._heap: list[tuple[int, int, float, int, Request]] = []
+        self._tie = itertools.count()
+        self._front = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, 1, request.arrival_time, next(self._tie), request))
+
+    def push_front(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, 0, -next(self._front), next(self._tie), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        """O(n); only aborts of waiting requests use it."""
+        index = next(i for i, entry in enumerate(self._heap) if entry[-1] is request)
+        self._heap[index] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+
+
+@dataclass
+class _Draft:
+    """The plan being drawn up in one schedule() call.
+
+    A request counts as computed as soon as it is added (the plan carries
+    its count from before), so the next schedule() sees the step as done.
+    """
+
+    budget: int  # tokens left this step
+    cached: CachedRequestData = field(default_factory=CachedRequestData)  # running requests
+    new_requests: list[NewRequestData] = field(default_factory=list)  # admitted this step
+
+    def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        cached = self.cached
+        cached.request_ids.append(request.request_id)
+        cached.new_block_ids.append(new_block_ids)
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        cached.num_scheduled_tokens.append(num_tokens)
+        request.num_computed_tokens += num_tokens
+        self.budget -= num_tokens
+
+    def add_admitted(self, request: Request, num_tokens: int) -> None:
+        self.new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=request.sampling,
+                block_ids=list(request.block_ids),
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_tokens,
+            )
+        )
+        request.num_computed_tokens += num_tokens
+        self.budget -= num_tokens
+
+    def undo(self, request: Request) -> bool:
+        """Takes a running request back out (it is being preempted); False if it was not in."""
+        cached = self.cached
+        if request.request_id not in cached.request_ids:  # O(n), preemptions only
+            return False
+        i = cached.request_ids.index(request.request_id)
+        num_tokens = cached.num_scheduled_tokens[i]
+        del cached.request_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i]
+        del cached.num_scheduled_tokens[i]
+        request.num_computed_tokens -= num_tokens
+        self.budget += num_tokens
+        return True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.block_size,
+            config.num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+            hash_algo=config.hash_algo,
+        )
+        self.requests: dict[str, Request] = {}  # every live (unfinished) request
+        self.running: list[Request] = []  # admission order
+        self.waiting = WaitingQueue()
+        self._finished_ids: list[str] = []  # for the next non-empty plan
+        # step id -> (block id, hash) registered by that plan; dropped if the step fails
+        self._cached_in_step: dict[int, list[tuple[int, bytes]]] = {}
+        self._step_id = 0
+        self._reset_step_id = 0  # results of plans up to this id predate an executor loss
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # -- requests ----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        if request.status != RequestStatus.WAITING or request.output_token_ids or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
+        if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
+                f"({request.max_tokens}) exceeds max_model_len ({self.config.max_model_len})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """Finishes a live request now (blocks freed at once); False if it is not live."""
+        if not status.is_finished:
+            raise ValueError(f"abort status must be a finished one, got {status.name}")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == _RUNNING:
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+            self._finished_ids.append(request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def live_requests(self) -> list[Request]:
+        """Running requests in admission order, then waiting ones in admission order."""
+        return self.running + list(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=kv.num_total_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_cached_free=kv.num_cached_free_blocks,
+            prefix_cache_queries_tokens=kv.prefix_cache_queries,
+            prefix_cache_hits_tokens=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    # -- planning ----------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step; scheduled requests count as computed from here on."""
+        self._step_id += 1
+        draft = _Draft(budget=self.config.max_num_batched_tokens)
+        if not self._schedule_running(draft):
+            self._schedule_waiting(draft)  # not after a preemption: memory is short
+        plan = StepPlan(step_id=self._step_id, new_requests=draft.new_requests, cached_requests=draft.cached)
+        # A plan that schedules nothing need not be sent; the ids wait for the next one.
+        if plan.num_requests:
+            plan.finished_request_ids, self._finished_ids = self._finished_ids, []
+        newly_cached = self.kv_cache_manager.pop_newly_cached()
+        if newly_cached:
+            self._cached_in_step[plan.step_id] = newly_cached
+        return plan
+
+    def _schedule_running(self, draft: _Draft) -> bool:
+        """Gives running requests their tokens, in order, preempting when blocks run out.
+
+        Returns whether anyone was preempted.
+        """
+        kv = self.kv_cache_manager
+        threshold = self.config.long_prefill_token_threshold
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and draft.budget > 0:
+            request = running[i]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > draft.budget:
+                num_new = draft.budget
+            if num_new <= 0:  # still waiting for its last sample
+                i += 1
+                continue
+            while (ids := kv.allocate_slots(request, num_new, is_admission=False)) is None:
+                victim = max(reversed(running), key=_victim_key)  # reversed: ties go to the latest admitted
+                victim_index = running.index(victim)
+                del running[victim_index]
+                if draft.undo(victim):
+                    # Blocks it would have filled were cached as if the step ran.
+                    kv.uncache_blocks_from(victim, victim.num_computed_tokens)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                if victim_index < i:
+                    i -= 1
+            if ids is None:
+                continue  # the request preempted itself; running[i] is now the next one
+            draft.add_running(request, num_new, ids)
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, draft: _Draft) -> None:
+        """Admits waiting requests by (priority, arrival) while budget, seats and memory last."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        threshold = cfg.long_prefill_token_threshold
+        while self.waiting and draft.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if cfg.enable_chunked_prefill:
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > draft.budget:
+                    num_new = draft.budget
+            elif num_new > draft.budget:
+                break  # without chunking a prompt runs whole or waits (and so does everyone behind it)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit, is_admission=True) is None:
+                break
+            self.waiting.pop()
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            draft.add_admitted(request, num_new)
+
+    def _preempt(self, request: Request) -> None:
+        """Evicts a running request; it is recomputed later from prompt + outputs."""
+        self._requeue(request, RequestStatus.PREEMPTED)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_ids.append(request.request_id)
+
+    def _requeue(self, request: Request, status: RequestStatus) -> None:
+        """Back to the front of the waiting queue, holding nothing; full blocks stay cached."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = status
+        self.waiting.push_front(request)
+
+    # -- results -----------------------------------------------------------
+
+    def update_from_result(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Applies the executor's answer to `plan`: one output per sampled token or failed request.
+
+        Finished requests release their blocks now and are listed in the next
+        plan's finished_request_ids.
+        """
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
+        newly_cached = self._cached_in_step.pop(plan.step_id, None)
+        if plan.step_id <= self._reset_step_id:
+            return []  # planned for an executor that is gone; its requests were requeued
+        self.num_steps += 1
+        if result.error:
+            return self._fail_step(plan, result, newly_cached)
+
+        kv = self.kv_cache_manager
+        requests = self.requests
+        all_logprobs = result.logprobs
+        outputs = []
+        any_finished = False
+        for request_id, token_id in result.sampled.items():
+            request = requests.get(request_id)
+            # Skip requests aborted since the plan, and samples where none was due.
+            if (
+                request is None
+                or request.status != _RUNNING
+                or request.num_computed_tokens != len(request.all_token_ids)
+            ):
+                continue
+            finished = request.append_output_token(token_id)
+            logprobs = all_logprobs.get(request_id) if all_logprobs else None
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    [token_id],
+                    [logprobs] if logprobs is not None else [],
+                    finished,
+                    request.status,
+                    request.stop_token_id,
+                    request.num_cached_tokens,
+                )
+            )
+            if finished:
+                any_finished = True
+                kv.free(request)
+                del requests[request_id]
+                self._finished_ids.append(request_id)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def _fail_step(
+        self, plan: StepPlan, result: StepResult, newly_cached: list[tuple[int, bytes]] | None
+    ) -> list[RequestOutput]:
+        """The step failed and the executor dropped every request in it.
+
+        Requests in failed_request_ids finish aborted with the error; the rest
+        of the plan's requests go back to the front of the queue and are
+        recomputed. Prefixes this step cached were never written: uncache them.
+        """
+        kv = self.kv_cache_manager
+        if newly_cached:
+            kv.uncache(newly_cached)
+        in_plan = [r.request_id for r in plan.new_requests] + plan.cached_requests.request_ids
+        failed = set(result.failed_request_ids)
+        # Requests aborted while the step ran are gone from the executor already.
+        in_plan_set = set(in_plan)
+        self._finished_ids = [rid for rid in self._finished_ids if rid not in in_plan_set]
+        outputs = []
+        requeue = []
+        for request_id in dict.fromkeys(in_plan + result.failed_request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != _RUNNING:
+                continue
+            if request_id not in failed:
+                requeue.append(request)
+                continue
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request_id]
+            if request_id not in in_plan_set:  # not in the step, so the executor still has it
+                self._finished_ids.append(request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    new_logprobs=[],
+                    finished=True,
+                    status=request.status,
+                    stop_token_id=None,
+                    num_cached_tokens=request.num_cached_tokens,
+                    error=result.error,
+                )
+            )
+        for request in reversed(requeue):  # reversed: the first ends up in front
+            self._requeue(request, RequestStatus.WAITING)
+        self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def reset_for_executor_loss(self) -> None:
+        """The executor lost all KV and request state: recompute every running request.
+
+        They go back to the front of the waiting queue in their running order
+        (each within its priority); the next plans resend them whole (prompt +
+        outputs). Results of plans made before this call are ignored.
+        """
+        for request in reversed(self.running):
+            self._requeue(request, RequestStatus.WAITING)
+        self.running = []
+        self.kv_cache_manager.reset_prefix_cache()
+        self._finished_ids.clear()
+        self._cached_in_step.clear()
+        self._reset_step_id = self._step_id
+
+
+def _victim_key(request: Request) -> tuple[int, float]:
+    """Preemption victim = max key: lowest priority (largest value), then latest arrival."""
+    return (request.priority, request.arrival_time)

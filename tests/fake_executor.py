@@ -1,0 +1,327 @@
+"""A stand-in for the executor process, plus an audit of the scheduler's bookkeeping.
+
+FakeExecutor consumes StepPlans exactly as the real executor does (per-request
+token lists and block tables built from new/cached requests, finished ids
+forgotten first) and checks the protocol on every step. Its "model" is a
+rolling fingerprint: the KV of position p is
+
+    fp(p) = hash((fp(p - 1), token[p]))          fp(-1) = FP_SEED
+
+so a KV slot identifies the whole prefix that produced it, and the token
+sampled after a sequence is fp(last) % vocab_size: a pure function of the
+sequence, so outputs survive preemption and recomputation unchanged.
+
+Reading the cache checks that every slot of a request's prefix holds the
+right fingerprint, which catches prefix-cache hits on wrong or never-written
+blocks and blocks shared or reused while still in use.
+
+Use:
+    executor = FakeExecutor.for_scheduler(scheduler)
+    plan = scheduler.schedule()
+    outputs = scheduler.update_from_result(plan, executor.execute(plan))
+    tokens_by_request = run_steps(scheduler, executor)   # or: step until idle
+    audit(scheduler, executor)                           # bookkeeping checks
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from scheduler_svc.block_pool import hash_block_tokens
+from scheduler_svc.scheduler import Scheduler
+from shared.sampling_params import SamplingParams
+from shared.step_plan import StepPlan, StepResult, TokenLogprobs
+
+FP_SEED = 0x5EED
+GARBAGE = -1  # what a failed step leaves in the slots it was writing
+
+
+def fingerprints(token_ids: list[int], start_fp: int = FP_SEED) -> list[int]:
+    out = []
+    fp = start_fp
+    for token in token_ids:
+        fp = hash((fp, token))
+        out.append(fp)
+    return out
+
+
+def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
+    """The token the fake executor samples after this sequence."""
+    return fingerprints(token_ids)[-1] % vocab_size
+
+
+@dataclass
+class _ExecRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    fps: list[int] = field(default_factory=list)  # own fingerprints of token_ids[:len(fps)]
+
+    def fps_up_to(self, end: int) -> list[int]:
+        if len(self.fps) < end:
+            start = self.fps[-1] if self.fps else FP_SEED
+            self.fps += fingerprints(self.token_ids[len(self.fps) : end], start)
+        return self.fps
+
+
+class FakeExecutor:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int = 1000,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        verify_kv: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.verify_kv = verify_kv  # check every prefix slot each step (O(context)); else only the boundary
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)
+        self.requests: dict[str, _ExecRequest] = {}
+        self.last_step_id = 0
+        self.num_steps = 0
+        self._fail_next: tuple[str, list[str] | None] | None = None
+        self._written: dict[int, str] = {}  # block id -> request writing it in the current step
+
+    @classmethod
+    def for_scheduler(cls, scheduler: Scheduler, vocab_size: int = 1000, **kwargs) -> FakeExecutor:
+        cfg = scheduler.config
+        return cls(
+            cfg.block_size,
+            cfg.num_blocks,
+            vocab_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            **kwargs,
+        )
+
+    def fail_next_step(self, error: str = "injected failure", failed_request_ids: list[str] | None = None) -> None:
+        """The next step fails: garbage lands in its slots, its requests are dropped.
+
+        failed_request_ids defaults to every request in the step (what the
+        real executor reports).
+        """
+        self._fail_next = (error, failed_request_ids)
+
+    def _slot(self, req: _ExecRequest, position: int) -> int:
+        return req.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert plan.step_id > self.last_step_id, f"step id {plan.step_id} after {self.last_step_id}"
+        self.last_step_id = plan.step_id
+        self.num_steps += 1
+        for rid in plan.finished_request_ids:
+            assert rid in self.requests, f"told to forget request {rid!r}, which it does not hold"
+            del self.requests[rid]
+
+        batch: list[tuple[str, _ExecRequest, int]] = []
+        for new in plan.new_requests:
+            assert new.request_id not in self.requests, f"new request {new.request_id!r} is already held"
+            assert new.num_computed_tokens % self.block_size == 0, f"{new.request_id!r}: prefix hit not block-aligned"
+            assert 0 < new.num_prompt_tokens <= len(new.token_ids), f"{new.request_id!r}: bad num_prompt_tokens"
+            req = _ExecRequest(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids), new.num_computed_tokens
+            )
+            self.requests[new.request_id] = req
+            batch.append((new.request_id, req, new.num_scheduled_tokens))
+        cached = plan.cached_requests
+        assert (
+            len(cached.request_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
+            == len(cached.num_scheduled_tokens)
+        ), "cached_requests columns differ in length"
+        for rid, new_blocks, num_computed, num_scheduled in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens
+        ):
+            req = self.requests.get(rid)
+            assert req is not None, f"cached request {rid!r} is not held"
+            assert num_computed == req.num_computed_tokens, (
+                f"{rid!r}: plan says {num_computed} computed tokens, executor counted {req.num_computed_tokens}"
+            )
+            req.block_ids += new_blocks
+            batch.append((rid, req, num_scheduled))
+        self._check_batch(plan, batch)
+
+        if self._fail_next is not None:
+            error, failed_ids = self._fail_next
+            self._fail_next = None
+            for rid, req, n in batch:
+                for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                    self.kv[self._slot(req, pos)] = GARBAGE
+                del self.requests[rid]
+            ids = [rid for rid, _, _ in batch] if failed_ids is None else failed_ids
+            return StepResult(step_id=plan.step_id, error=error, failed_request_ids=ids)
+
+        # Like the real model: the whole step's KV is written before anyone reads.
+        for rid, req, n in batch:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            fps = req.fps_up_to(end)
+            for pos in range(start, end):
+                self.kv[self._slot(req, pos)] = fps[pos]
+        self._check_shared_blocks()
+        result = StepResult(step_id=plan.step_id)
+        for rid, req, n in batch:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            fps = req.fps_up_to(end)
+            for pos in range(0, end) if self.verify_kv else range(max(start - 1, 0), end):
+                got = self.kv[self._slot(req, pos)]
+                assert got == fps[pos], (
+                    f"{rid!r}: KV at position {pos} (block {req.block_ids[pos // self.block_size]}) "
+                    f"is {got}, expected {fps[pos]}"
+                )
+            req.num_computed_tokens = end
+            if end == len(req.token_ids):
+                token = fps[end - 1] % self.vocab_size
+                req.token_ids.append(token)
+                result.sampled[rid] = token
+                if req.sampling.logprobs is not None:
+                    top = [((token + k) % self.vocab_size, -1.0 - k) for k in range(req.sampling.logprobs)]
+                    result.logprobs[rid] = TokenLogprobs(logprob=-1.0, top=top)
+        return result
+
+    def _check_batch(self, plan: StepPlan, batch: list[tuple[str, _ExecRequest, int]]) -> None:
+        bs = self.block_size
+        ids = [rid for rid, _, _ in batch]
+        assert len(set(ids)) == len(ids), f"a request appears twice in step {plan.step_id}"
+        if self.max_num_seqs is not None:
+            assert len(batch) <= self.max_num_seqs, f"{len(batch)} requests > max_num_seqs"
+        if self.max_num_batched_tokens is not None:
+            total = sum(n for _, _, n in batch)
+            assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
+        for rid, req in self.requests.items():
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{rid!r}: block table repeats a block"
+            for b in req.block_ids:
+                assert 0 < b < self.num_blocks, f"{rid!r}: block id {b} out of range (0 is the null block)"
+        writers: dict[int, str] = {}
+        for rid, req, n in batch:
+            end = req.num_computed_tokens + n
+            assert n >= 1 and end <= len(req.token_ids), f"{rid!r}: schedules {n} tokens past its {len(req.token_ids)}"
+            assert len(req.block_ids) == -(-end // bs), (
+                f"{rid!r}: {len(req.block_ids)} blocks for {end} tokens (block size {bs})"
+            )
+            for b in req.block_ids[req.num_computed_tokens // bs :]:
+                assert b not in writers, f"block {b} is written by both {writers[b]!r} and {rid!r}"
+                writers[b] = rid
+        # Someone else may hold a block written now only as a prefix-cache hit
+        # on it, i.e. inside its computed prefix; _check_shared_blocks compares
+        # the content once written.
+        self._written = writers
+
+    def _check_shared_blocks(self) -> None:
+        bs = self.block_size
+        for rid, req in self.requests.items():
+            for index, b in enumerate(req.block_ids):
+                writer = self._written.get(b)
+                if writer is None or writer == rid:
+                    continue
+                end = (index + 1) * bs
+                assert end <= req.num_computed_tokens, (
+                    f"{rid!r} holds block {b} beyond its computed prefix while {writer!r} writes it"
+                )
+                fps = req.fps_up_to(end)[index * bs : end]
+                assert self.kv[b * bs : (b + 1) * bs] == fps, (
+                    f"{writer!r} wrote block {b} that {rid!r} holds as other content"
+                )
+
+
+def run_steps(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Steps until no request is live; returns the tokens each request produced."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return tokens
+        plan = scheduler.schedule()
+        for out in scheduler.update_from_result(plan, executor.execute(plan)):
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError(f"requests still live after {max_steps} steps")
+
+
+# -- audit -------------------------------------------------------------------
+
+
+def record_block_hashes(scheduler: Scheduler, registry: dict[bytes, list[int]]) -> None:
+    """Recomputes every live request's block hashes from its tokens; remembers hash -> block fingerprints.
+
+    Call it right after schedule(), when every hash registered by the plan
+    belongs to a running request.
+    """
+    bs = scheduler.config.block_size
+    hash_fn = scheduler.kv_cache_manager.block_pool.hash_fn
+    for req in scheduler.requests.values():
+        parent = None
+        fps = fingerprints(req.all_token_ids[: len(req.block_hashes) * bs])
+        for i, got in enumerate(req.block_hashes):
+            parent = hash_block_tokens(hash_fn, parent, req.all_token_ids[i * bs : (i + 1) * bs])
+            assert got == parent, f"{req.request_id!r}: block hash {i} does not match its tokens"
+            registry[got] = fps[i * bs : (i + 1) * bs]
+
+
+def audit(scheduler: Scheduler, executor: FakeExecutor | None = None, registry: dict | None = None) -> None:
+    """Checks block accounting and request states; with executor+registry also cached KV content."""
+    pool = scheduler.kv_cache_manager.block_pool
+    bs = scheduler.config.block_size
+    total = pool.num_total_blocks
+
+    free_ids = []
+    prev = pool.free_block_queue._head
+    for block in pool.free_block_queue:
+        assert block.prev_free is prev, f"free queue link broken before block {block.block_id}"
+        assert block.ref_cnt == 0, f"block {block.block_id} is free with ref_cnt {block.ref_cnt}"
+        free_ids.append(block.block_id)
+        prev = block
+    assert len(set(free_ids)) == len(free_ids), "a block is twice in the free queue"
+    assert 0 not in free_ids, "the null block is in the free queue"
+    assert len(free_ids) == pool.num_free_blocks, "free queue length != its counter"
+    assert pool.num_free_blocks + pool.num_used_blocks == total
+
+    holders: Counter[int] = Counter()
+    for req in scheduler.requests.values():
+        assert len(set(req.block_ids)) == len(req.block_ids), f"{req.request_id!r} holds a block twice"
+        holders.update(req.block_ids)
+    assert 0 not in holders, "a block table holds the null block"
+    free_set = set(free_ids)
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders[block.block_id]} tables"
+        )
+        assert (block.ref_cnt == 0) == (block.block_id in free_set), f"block {block.block_id} free-state mismatch"
+    assert pool.null_block.ref_cnt == 0 and pool.null_block.block_hash is None
+
+    hashed = [b for b in pool.blocks if b.block_hash is not None]
+    assert len(hashed) == len(pool.cached_blocks), "hash map and hashed blocks disagree"
+    for b in hashed:
+        assert pool.cached_blocks[b.block_hash] is b, f"block {b.block_id}'s hash maps to another block"
+    assert pool.num_cached_free_blocks == sum(1 for b in hashed if b.ref_cnt == 0), "cached-free counter is off"
+    if registry is not None:
+        for b in hashed:
+            assert b.block_hash in registry, f"block {b.block_id} has a hash no request ever computed"
+            if executor is not None:
+                got = executor.kv[b.block_id * bs : (b.block_id + 1) * bs]
+                assert got == registry[b.block_hash], f"cached block {b.block_id} holds other KV than its hash says"
+
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    assert len(running) + len(waiting) == len(scheduler.requests), "running + waiting != live requests"
+    assert len(running) <= scheduler.config.max_num_seqs
+    for req in running:
+        assert scheduler.requests.get(req.request_id) is req
+        assert req.status.name == "RUNNING", f"{req.request_id!r} in running with status {req.status.name}"
+        assert len(req.block_ids) == -(-req.num_computed_tokens // bs), (
+            f"{req.request_id!r}: {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens"
+        )
+        assert req.num_computed_tokens <= req.num_tokens
+    for req in waiting:
+        assert scheduler.requests.get(req.request_id) is req
+        assert req.status.name in ("WAITING", "PREEMPTED"), f"{req.request_id!r} waits with {req.status.name}"
+        assert not req.block_ids and req.num_computed_tokens == 0, f"waiting {req.request_id!r} holds KV state"
+    if not scheduler.requests:
+        assert pool.num_free_blocks == total, "no live request, yet blocks are held"
+    if executor is not None:
+        expected = {r.request_id for r in running} - set(scheduler._finished_ids)
+        held = set(executor.requests) - set(scheduler._finished_ids)
+        assert held == expected, f"executor holds {sorted(held)}, scheduler runs {sorted(expected)}"
