@@ -19,7 +19,7 @@ class ExecutorConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     kv_cache_gib: float = 2.0  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of the card for weights+activations+KV
-    attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
+    attention_backend: str = "auto"  # auto: triton on cuda, cpu (native decode kernel) on cpu
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     max_model_len: int = 0  # 0 = the model's own limit
     log_level: str = "info"
@@ -34,8 +34,8 @@ class ExecutorConfig:
             raise ValueError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: expected auto, cpu or cuda")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto, torch or triton")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto, cpu, torch or triton")
         if not self.kv_cache_gib > 0:
             raise ValueError(f"--kv-cache-gib must be > 0, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -59,7 +59,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV-cache memory budget in GiB (CPU).")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, help="Fraction of GPU memory to use (CUDA).")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "torch", "triton"))
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch", "triton"),
+                   help="cpu: native decode kernel + torch prefills; torch: plain PyTorch; triton: CUDA kernels.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))

@@ -66,7 +66,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = config.attention_backend
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = "triton" if self.device.type == "cuda" else "cpu"
         self.attn_backend = get_backend(backend)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)

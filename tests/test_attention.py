@@ -271,3 +271,48 @@ def test_prepare_rejects_inconsistent_metadata(backend_name):
 def test_get_backend_rejects_unknown_name():
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash")
+
+
+# The CPU backend: native decode kernel + torch prefills. It computes in
+# float32, so float64 inputs are compared at float32 tolerance.
+def cpu_backend():
+    backend = get_backend("cpu")
+    assert backend.name == "cpu", "the native kernel did not build (is a C compiler installed?)"
+    return backend
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim, group):
+    batch = make_batch(mixed_shapes(block_size), block_size=block_size, num_kv_heads=2, group=group,
+                       head_dim=head_dim, dtype=torch.float32, seed=block_size * 1000 + head_dim + group)
+    assert_matches_reference(run_step(cpu_backend(), batch), batch)
+
+
+@pytest.mark.parametrize("block_size,group", [(16, 3), (8, 8), (32, 1)])
+def test_cpu_backend_bfloat16_matches_reference(block_size, group):
+    batch = make_batch(mixed_shapes(block_size), block_size=block_size, num_kv_heads=3, group=group,
+                       head_dim=64, dtype=torch.bfloat16, seed=17 + block_size)
+    assert_matches_reference(run_step(cpu_backend(), batch), batch)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cpu_backend_random_batches_match_reference(seed):
+    rng = random.Random(1000 + seed)
+    batch = make_batch(random_shapes(rng, 16, 300, 40), block_size=rng.choice([8, 16, 32]),
+                       num_kv_heads=rng.choice([1, 2, 3]), group=rng.choice([1, 3, 8]),
+                       head_dim=rng.choice([64, 128]), dtype=torch.float32, seed=seed)
+    assert_matches_reference(run_step(cpu_backend(), batch), batch)
+
+
+def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
+    batch = make_batch([(0, 5), (13, 1), (9, 3), (40, 1)], block_size=8, num_kv_heads=1, group=3, head_dim=64,
+                       dtype=torch.float32, seed=22)
+    assert_matches_reference(run_step(cpu_backend(), as_fused_qkv_views(batch)), batch)
+
+
+def test_cpu_backend_decodes_only_and_prefills_only():
+    for shapes in ([(5, 1), (0, 1), (31, 1)], [(0, 7), (12, 4)]):
+        batch = make_batch(shapes, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=3)
+        assert_matches_reference(run_step(cpu_backend(), batch), batch)

@@ -25,7 +25,20 @@ __all__ = ["AttentionMetadata", "get_backend"]
 
 
 def get_backend(name: str):
-    """Returns the backend called `name` ("torch" or "triton")."""
+    """Returns the backend called `name` ("cpu", "torch" or "triton").
+
+    "cpu" needs a C compiler for its decode kernel; without one it falls back
+    to "torch" (and says so in the log).
+    """
+    if name == "cpu":
+        from executor_svc.attention import native_kernel
+
+        kernel = native_kernel.load()
+        if kernel is not None:
+            from executor_svc.attention.cpu_backend import CpuAttentionBackend
+
+            return CpuAttentionBackend(kernel)
+        name = "torch"
     if name == "torch":
         from executor_svc.attention.torch_backend import TorchAttentionBackend
 
@@ -34,4 +47,4 @@ def get_backend(name: str):
         from executor_svc.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'cpu', 'torch' or 'triton'")

@@ -71,11 +71,13 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, pad_tolerance: float = 0.15, max_group_tokens: int = 8192):
+    def __init__(self, pad_tolerance: float = 0.15, max_group_tokens: int = 8192, handle_decodes: bool = True):
         if not 0.0 <= pad_tolerance <= 1.0 or max_group_tokens < 1:
             raise ValueError(f"bad tuning: pad_tolerance={pad_tolerance}, max_group_tokens={max_group_tokens}")
         self.pad_tolerance = pad_tolerance
         self.max_group_tokens = max_group_tokens
+        # False: leave decodes (1 query token) to a caller that has a faster path.
+        self.handle_decodes = handle_decodes
         self._workspace: torch.Tensor | None = None  # [2, rows, KV * D]
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -85,6 +87,8 @@ class TorchAttentionBackend:
         tables = meta.block_tables.to(torch.int64)
         device = tables.device
         decodes = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -seq_lens[i])
+        if not self.handle_decodes:
+            decodes = []
 
         groups: list[_DecodeGroup] = []
         members: list[int] = []
@@ -109,7 +113,7 @@ class TorchAttentionBackend:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             prefills.append(_Prefill(starts[i], starts[i + 1], slots, pos[None, :] <= query_pos[:, None]))
 
-        max_rows = max([g.slots.numel() for g in groups] + [p.slots.numel() for p in prefills])
+        max_rows = max([g.slots.numel() for g in groups] + [p.slots.numel() for p in prefills] + [0])
         meta.extra[self.name] = _StepPlan(groups, prefills, max_rows)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:

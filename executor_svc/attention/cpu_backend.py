@@ -1,0 +1,88 @@
+"""The CPU backend: decodes through the native kernel, prefills through torch.
+
+Decode attention is memory bound: each decode reads its whole K/V history to
+produce one token. `native/paged_decode.c` reads those rows in place from the
+paged cache; the plain-torch backend must gather them into a copy first,
+which moves three times the bytes. Prefills (many query tokens per K/V row)
+are compute bound, and SDPA's tiled kernel serves them best, so they stay on
+`TorchAttentionBackend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.attention.torch_backend import TorchAttentionBackend
+
+_MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
+
+
+@dataclass
+class _Decodes:
+    tokens: torch.Tensor  # [n] int64, query token of each decode
+    seq_index: torch.Tensor  # [n] int32, its row in block_tables / seq_lens
+    compact_rows: torch.Tensor  # [n] int64, 0..n-1
+    max_seq_len: int
+
+
+class CpuAttentionBackend:
+    name = "cpu"
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._prefills = TorchAttentionBackend(handle_decodes=False)
+        self.write_kv = self._prefills.write_kv
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._prefills.prepare(meta)
+        rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+        starts = meta.query_start_loc
+        decodes = None
+        if rows:
+            index = torch.tensor(rows, dtype=torch.int64)
+            decodes = _Decodes(
+                tokens=starts[index].to(torch.int64).contiguous(),
+                seq_index=index.to(torch.int32),
+                compact_rows=torch.arange(len(rows), dtype=torch.int64),
+                max_seq_len=max(meta.seq_lens_cpu[i] for i in rows),
+            )
+        meta.extra[self.name] = decodes
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.name not in meta.extra:
+            raise RuntimeError("CpuAttentionBackend.forward before prepare(meta) for this step")
+        out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
+        d = meta.extra[self.name]
+        if d is None:
+            return out
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        assert num_heads % num_kv_heads == 0 and num_heads <= _MAX_HEADS, (
+            f"{num_heads} query heads over {num_kv_heads} KV heads is not supported by the native kernel"
+        )
+        assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+        assert k_cache.dtype in (torch.float32, torch.bfloat16), f"KV cache dtype {k_cache.dtype}"
+        q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float()
+        # Float32 models write straight into `out`; others into a float32 buffer, cast after.
+        direct = out.dtype == torch.float32 and out.stride(2) == 1
+        target = out if direct else torch.empty(d.tokens.numel(), num_heads, head_dim, dtype=torch.float32)
+        out_rows = d.tokens if direct else d.compact_rows
+        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+        seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
+        status = self._kernel(
+            target.data_ptr(), target.stride(0), target.stride(1),
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            tables.data_ptr(), tables.stride(0),
+            seq_lens.data_ptr(), d.tokens.data_ptr(), out_rows.data_ptr(), d.seq_index.data_ptr(), d.tokens.numel(),
+            num_heads, num_kv_heads, head_dim, meta.block_size, d.max_seq_len,
+            scale, torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("native decode attention could not allocate its scratch buffers")
+        if not direct:
+            out.index_copy_(0, d.tokens, target.to(out.dtype))
+        return out
