@@ -16,18 +16,16 @@ import grpc
 from pagedserve_client.client import Client
 
 
-def _health(target: str, service: str, timeout: float) -> int:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _health(client: Client, target: str, service: str, timeout: float) -> int:
+    from grpc_health.v1 import health_pb2
 
-    with grpc.insecure_channel(target) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError as e:
-            print(f"{target}: {e.code().name}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(f"{target}: {status}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+    try:
+        code = client.health(service, timeout=timeout)
+    except grpc.RpcError as e:
+        print(f"{target}: {e.code().name}", file=sys.stderr)
+        return 1
+    print(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(code)}")
+    return 0 if code == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def main(argv=None) -> int:
@@ -35,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", "127.0.0.1:50051"), help="Scheduler address [env PAGEDSERVE_TARGET].")
     p.add_argument("--token", default=os.environ.get("PAGEDSERVE_TOKEN"), help="Bearer token [env PAGEDSERVE_TOKEN].")
     p.add_argument("--tls-ca", default=None, help="CA bundle to verify a TLS server.")
+    p.add_argument("--tls-cert", default=None, help="Client certificate (PEM) for mutual TLS; needs --tls-key.")
+    p.add_argument("--tls-key", default=None, help="Client private key (PEM) for mutual TLS.")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="Stream a completion.")
     g.add_argument("prompt")
@@ -55,11 +55,11 @@ def main(argv=None) -> int:
     h.add_argument("--timeout", type=float, default=3.0)
     a = p.parse_args(argv)
 
-    if a.cmd == "health":
-        return _health(a.target, a.service, a.timeout)
     from google.protobuf.json_format import MessageToDict
 
-    with Client(a.target, token=a.token, tls_ca=a.tls_ca) as c:
+    with Client(a.target, token=a.token, tls_ca=a.tls_ca, tls_cert=a.tls_cert, tls_key=a.tls_key) as c:
+        if a.cmd == "health":
+            return _health(c, a.target, a.service, a.timeout)
         try:
             if a.cmd == "generate":
                 prompt = dict(messages=[{"role": "user", "content": a.prompt}]) if a.chat else dict(prompt=a.prompt)

@@ -71,11 +71,21 @@ class Completion:
             self.matched_stop = msg.matched_stop
 
 
-def _credentials(tls_ca: str | None):
-    if tls_ca is None:
+def _read(path: str | None) -> bytes | None:
+    if path is None:
         return None
-    with open(tls_ca, "rb") as f:
-        return grpc.ssl_channel_credentials(root_certificates=f.read())
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _credentials(tls_ca: str | None, tls_cert: str | None = None, tls_key: str | None = None):
+    """TLS when any of the three is given; tls_cert + tls_key present a client certificate (mutual TLS)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together")
+    if tls_ca is None and tls_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                                        certificate_chain=_read(tls_cert))
 
 
 def _metadata(token: str | None):
@@ -83,8 +93,9 @@ def _metadata(token: str | None):
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None):
-        creds = _credentials(tls_ca)
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        creds = _credentials(tls_ca, tls_cert, tls_key)
         self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
@@ -113,6 +124,13 @@ class Client:
     def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
         return self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
 
+    def health(self, service: str = "", timeout: float | None = None) -> int:
+        """The standard gRPC health status (a `HealthCheckResponse.ServingStatus` value); needs no token."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        req = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(self._channel).Check(req, timeout=timeout).status
+
     def close(self) -> None:
         self._channel.close()
 
@@ -127,8 +145,9 @@ class AsyncClient:
     """Every call takes `metadata`: extra (key, value) pairs sent with that call only, after the
     client's own (a gateway passes each caller's `authorization` this way; then give the client no token)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None):
-        creds = _credentials(tls_ca)
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        creds = _credentials(tls_ca, tls_cert, tls_key)
         self._channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)

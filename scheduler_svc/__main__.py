@@ -92,18 +92,31 @@ async def run(config) -> int:
             log.info("waiting_for_executor", error=str(e))
             await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
     loop_task = asyncio.ensure_future(engine.run()) if engine.scheduler is not None else None
+    crashed: list[BaseException] = []
+
+    def on_loop_done(task: asyncio.Task) -> None:
+        # The step loop only ends by cancellation. If it died, no request can
+        # progress: say so loudly and shut down, rather than hang while SERVING.
+        if not task.cancelled() and task.exception() is not None:
+            crashed.append(task.exception())
+            log.error("step_loop_crashed", exc_info=task.exception())
+            stop.set()
+
+    if loop_task is not None:
+        loop_task.add_done_callback(on_loop_done)
     await stop.wait()
-    log.info("draining", timeout_s=config.drain_timeout_s)
+    drain_s = 0.0 if crashed else config.drain_timeout_s
+    log.info("draining", timeout_s=drain_s)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, not_serving)
     if engine.scheduler is not None:
-        await engine.drain(config.drain_timeout_s)
+        await engine.drain(drain_s)
     await server.stop(grace=1.0)
     if loop_task is not None:
         loop_task.cancel()
     await engine.client.close()
     log.info("stopped")
-    return 0
+    return 1 if crashed else 0
 
 
 def main(argv=None) -> int:

@@ -58,7 +58,7 @@ class GenerationInput:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams  # sample i uses seed + i when a seed is set
+    sampling: SamplingParams  # sample i uses (seed + i) mod 2**64 when a seed is set
     n: int
     max_tokens: int
     stop: tuple[str, ...] = ()
@@ -190,16 +190,20 @@ class Engine:
     def submit(self, gen: GenerationInput) -> RequestHandle:
         if self.draining or not self.connected:
             raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
-        if gen.request_id in self._handles:
+        sample_ids = [gen.request_id] if gen.n == 1 else [f"{gen.request_id}#{i}" for i in range(gen.n)]
+        # Sample ids share one namespace with plain request ids: a request named
+        # "x#0" collides with sample 0 of a live "x" (n > 1), and vice versa.
+        # Refuse before touching anything, or the live sample's stream is lost.
+        if gen.request_id in self._handles or any(s in self._samples for s in sample_ids):
             raise KeyError(gen.request_id)
         if len(self.scheduler.waiting) + gen.n > self.config.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (limit --max-waiting {self.config.max_waiting})")
         handle = RequestHandle(gen.request_id, gen.n, prompt_tokens=len(gen.prompt_token_ids))
         eos = frozenset(self.info.eos_token_ids)
         masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
-        for i in range(gen.n):
-            sample_id = gen.request_id if gen.n == 1 else f"{gen.request_id}#{i}"
-            seed = None if gen.sampling.seed is None else gen.sampling.seed + i
+        for i, sample_id in enumerate(sample_ids):
+            # Seeds are uint64 end to end: sample i of a seed near 2**64 wraps around.
+            seed = None if gen.sampling.seed is None else (gen.sampling.seed + i) % 2**64
             sampling = SamplingParams(**{**gen.sampling.__dict__, "seed": seed, "min_tokens": gen.min_tokens, "min_tokens_masked_ids": masked})
             request = Request(
                 request_id=sample_id, prompt_token_ids=list(gen.prompt_token_ids), sampling=sampling,
@@ -218,11 +222,14 @@ class Engine:
     def abort(self, handle: RequestHandle) -> None:
         """Client went away: free every open sample's blocks now."""
         for sample_id in handle.sample_ids:
-            if sample_id in self._samples:
+            sample = self._samples.get(sample_id)
+            # A finished sample's id may be live again as another request's ("x#0").
+            if sample is not None and sample.handle is handle:
                 self.scheduler.abort_request(sample_id)
                 self._samples.pop(sample_id)
                 self.metrics.request_success.labels(FinishReason.ABORT.value).inc()
-        if self._handles.pop(handle.request_id, None) is not None:
+        if self._handles.get(handle.request_id) is handle:
+            del self._handles[handle.request_id]
             self._log_finished(handle, "abort")
         self._wakeup.set()
 

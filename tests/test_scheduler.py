@@ -340,9 +340,9 @@ def test_preemption_ties_go_to_the_latest_admitted():
 
 
 def test_preempting_an_already_scheduled_request_undoes_its_part_of_the_plan():
-    # 7 usable blocks of 4 tokens; prefill chunks of at most 5 tokens.
+    # 7 usable blocks of 4 tokens; 11 tokens per step, prefill chunks of at most 5.
     scheduler = make_scheduler(
-        num_blocks=8, max_model_len=24, max_num_batched_tokens=16, long_prefill_token_threshold=5
+        num_blocks=8, max_model_len=24, max_num_batched_tokens=11, long_prefill_token_threshold=5
     )
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
     a_prompt = list(range(20))
@@ -350,16 +350,17 @@ def test_preempting_an_already_scheduled_request_undoes_its_part_of_the_plan():
     scheduler.add_request(a)
     step(scheduler, executor)  # a: tokens 0-4, blocks 1-2
     scheduler.add_request(make_request("b", list(range(50, 60)), max_tokens=4, priority=0))
-    scheduler.add_request(make_request("c", [7, 7], max_tokens=4, priority=0))
-    step(scheduler, executor)  # a: 5-9 (block 3), b: 0-4 (blocks 4-5), c: 0-1 (block 6); 1 free
-    assert (a.block_ids, scheduler.stats().kv_blocks_used) == ([1, 2, 3], 6)
+    scheduler.add_request(make_request("c", [7] * 4, max_tokens=4, priority=0))
+    plan, _ = step(scheduler, executor)
+    assert scheduled_tokens(plan) == {"a": 5, "b": 5, "c": 1}
+    assert (a.block_ids, scheduler.stats().kv_blocks_used) == ([1, 2, 3], 6)  # b: 4-5, c: 6
     # Next: a's chunk 10-14 fills block 3 (cached at planning) and takes block 7;
-    # then b needs a block, and the victim is a, already in the plan. c,
-    # behind b, is still scheduled.
+    # then b needs a block and the victim is a, already in the plan: its
+    # tokens go back to the budget, which c behind b then uses.
     plan = scheduler.schedule()
-    assert scheduled_tokens(plan) == {"b": 5, "c": 1}
+    assert scheduled_tokens(plan) == {"b": 5, "c": 3}
     assert plan.finished_request_ids == ["a"]
-    assert plan.cached_requests.new_block_ids == [[7], []], "b gets a's tail block, freed first"
+    assert plan.cached_requests.new_block_ids == [[7], []], "a's blocks are freed tail first"
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.blocks[3].block_hash is None, "the hash of a block a never got to fill must be dropped"
     assert pool.blocks[2].block_hash is not None, "blocks a filled in earlier steps stay cached"
