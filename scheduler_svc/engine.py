@@ -281,8 +281,11 @@ class Engine:
                 msg.finish_reason, msg.matched_stop = FinishReason.STOP, delta.matched_stop
             elif out.finished:
                 msg.text += sample.detok.flush()
-                msg.finish_reason = _FINISH[out.status]
-                msg.matched_stop_token_id = out.stop_token_id
+                if sample.detok.matched_stop is not None:  # completed by the final flush
+                    msg.finish_reason, msg.matched_stop = FinishReason.STOP, sample.detok.matched_stop
+                else:
+                    msg.finish_reason = _FINISH[out.status]
+                    msg.matched_stop_token_id = out.stop_token_id
             if msg.finish_reason is None:
                 sample.handle.queue.put_nowait(msg)
                 continue
