@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_config import SchedulerConfig
 from shared.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -23,7 +23,8 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
 from shared.step_plan import TokenLogprobs

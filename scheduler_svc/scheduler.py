@@ -25,62 +25,15 @@ requests the executor has already dropped.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
+from scheduler_svc.scheduler_config import SchedulerConfig
+from scheduler_svc.waiting_queue import WaitingQueue
 from shared.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    num_blocks: int  # from the executor handshake, null block 0 included
-    max_model_len: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0 = off; else the most tokens one prefill gets per step
-    hash_algo: str = "sha256"
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.hash_algo not in ("sha256", "blake2b"):
-            raise ValueError(f"hash_algo must be 'sha256' or 'blake2b', got {self.hash_algo!r}")
-        if not self.enable_chunked_prefill:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                    f">= max_model_len ({self.max_model_len}), or long prompts could never run"
-                )
-            if self.long_prefill_token_threshold:
-                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
-        # One sequence of max_model_len tokens must fit next to the admission
-        # watermark, or it could wait forever with nothing else running.
-        usable = self.num_blocks - 1
-        reserve = int(self.watermark * usable)
-        needed = -(-self.max_model_len // self.block_size)
-        if usable - reserve < needed:
-            raise ValueError(
-                f"KV cache too small: {usable} usable blocks minus a watermark of {reserve} cannot hold one "
-                f"max_model_len={self.max_model_len} sequence ({needed} blocks of {self.block_size} tokens); "
-                "lower max_model_len or give the executor more KV memory"
-            )
 
 
 @dataclass
@@ -94,45 +47,6 @@ class SchedulerStats:
     prefix_cache_hits_tokens: int
     num_preemptions: int
     num_steps: int
-
-
-class WaitingQueue:
-    """Requests waiting for admission, lowest priority value first.
-
-    Within a priority: pushed-to-front requests (preempted ones; the most
-    recently pushed first), then arrivals in arrival order.
-    """
-
-    def __init__(self) -> None:
-        # (priority, 0 = front / 1 = arrival, order within that, tie-break, request)
-        self._heap: list[tuple[int, int, float, int, Request]] = []
-        self._tie = itertools.count()
-        self._front = itertools.count(1)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[-1] for entry in sorted(self._heap))
-
-    def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, 1, request.arrival_time, next(self._tie), request))
-
-    def push_front(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, 0, -next(self._front), next(self._tie), request))
-
-    def peek(self) -> Request:
-        return self._heap[0][-1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
-
-    def remove(self, request: Request) -> None:
-        """O(n); only aborts of waiting requests use it."""
-        index = next(i for i, entry in enumerate(self._heap) if entry[-1] is request)
-        self._heap[index] = self._heap[-1]
-        self._heap.pop()
-        heapq.heapify(self._heap)
 
 
 @dataclass

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_config import SchedulerConfig
 from shared.sampling_params import SamplingParams
 
 VOCAB = 64
