@@ -14,6 +14,20 @@ log = structlog.get_logger("executor_svc")
 
 
 async def run(config) -> int:
+    if config.tensor_parallel_size == 1:
+        return await serve_worker(config, None)
+    from executor_svc.tensor_parallel import launch
+    from executor_svc.worker import resolve_device
+
+    # This process is rank 0: it starts the other ranks, and they end with it.
+    tp = launch(config, resolve_device(config.device))
+    try:
+        return await serve_worker(config, tp)
+    finally:
+        tp.shutdown()
+
+
+async def serve_worker(config, tp) -> int:
     from grpc_health.v1 import health_pb2
 
     from executor_svc.metrics import ExecutorMetrics
@@ -21,9 +35,9 @@ async def run(config) -> int:
     from shared.metrics_http import serve_metrics
     from executor_svc.worker import Worker
 
-    worker = Worker(config)
+    worker = Worker(config, tp)
     log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype), device=worker.device.type,
-             attention_backend=worker.attn_backend.name)
+             attention_backend=worker.attn_backend.name, tensor_parallel_size=config.tensor_parallel_size)
     metrics = ExecutorMetrics()
     if config.metrics_listen:
         serve_metrics(config.metrics_listen, metrics.registry)

@@ -22,6 +22,7 @@ class ExecutorConfig:
     attention_backend: str = "auto"  # auto: triton on cuda, cpu (native decode kernel) on cpu
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     max_model_len: int = 0  # 0 = the model's own limit
+    tensor_parallel_size: int = 1  # processes (devices) one model is split across; see tensor_parallel.py
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" = off
@@ -42,6 +43,8 @@ class ExecutorConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 0 or self.max_model_len < 0:
             raise ValueError("--num-threads and --max-model-len must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if not is_loopback(self.listen) and not self.auth_token:
             raise ValueError(
                 f"--listen {self.listen} is reachable from other hosts: set --auth-token-file "
@@ -63,6 +66,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                    help="cpu: native decode kernel + torch prefills; torch: plain PyTorch; triton: CUDA kernels.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="Split the model's heads and MLP across this many processes (one device each; "
+                        "--kv-cache-gib is per process).")
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
@@ -84,6 +90,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             attention_backend=a.attention_backend,
             num_threads=a.num_threads,
             max_model_len=a.max_model_len,
+            tensor_parallel_size=a.tensor_parallel_size,
             log_level=a.log_level,
             log_json=True if a.log_json else None,
             metrics_listen=a.metrics_listen,

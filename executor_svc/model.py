@@ -23,6 +23,18 @@ Weights are loaded by `load_weights` from tensors under transformers' names
 ("model.layers.3.self_attn.q_proj.weight", ...); the GGUF loader renames to
 those, so one mapping serves both formats. Parameters are created empty (no
 random init: loading a checkpoint overwrites every one of them).
+
+Tensor parallelism (Megatron-style; `tp_size` > 1, one process per rank, the
+default torch.distributed group spanning them): rank r holds heads
+[r*Hq/tp, (r+1)*Hq/tp) of q and the matching share of KV heads, and the same
+share of the MLP's intermediate columns. Each layer then needs two all-reduces:
+
+    qkv  = x @ W_qkv[rank's rows]     column-parallel: local heads only, no communication
+    o    = attn @ W_o[:, rank's cols] row-parallel: a partial sum ... all_reduce(o)
+    gate_up = x @ W_gate_up[rank's rows]; down likewise row-parallel ... all_reduce
+
+Embeddings, norms and the LM head are replicated on every rank (simplest; a
+vocab-parallel head would save memory for large vocabularies).
 """
 from __future__ import annotations
 
@@ -30,6 +42,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +54,23 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raises ValueError unless `tp_size` splits the model into equal whole shares."""
+    shares = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = [f"{name}={n}" for name, n in shares.items() if n % tp_size]
+    if bad:
+        fits = [d for d in range(1, config.num_key_value_heads + 1) if all(n % d == 0 for n in shares.values())]
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide {', '.join(bad)} of {config.model_name or 'this model'}: "
+            "each rank must hold whole attention and KV heads (replicating KV heads across ranks is not "
+            f"implemented); sizes that fit this model: {', '.join(map(str, fits))}"
+        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,21 +130,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+    ) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
-        qkv_size = config.q_size + 2 * config.kv_size
+        # This rank's share; with tp_size == 1, the whole model.
+        hidden, inter = config.hidden_size, config.intermediate_size // tp_size
         self.attn_backend = attn_backend
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp_size = tp_size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.input_norm = _empty_param(hidden, dtype=dtype, device=device)
         # Rows: [q heads | k heads | v heads]; one matmul instead of three.
         self.qkv_weight = _empty_param(qkv_size, hidden, dtype=dtype, device=device)
         self.qkv_bias = _empty_param(qkv_size, dtype=dtype, device=device) if config.attention_bias else None
-        self.o_weight = _empty_param(hidden, config.q_size, dtype=dtype, device=device)
+        self.o_weight = _empty_param(hidden, self.num_heads * self.head_dim, dtype=dtype, device=device)
         self.post_norm = _empty_param(hidden, dtype=dtype, device=device)
         # Rows: [gate | up].
         self.gate_up_weight = _empty_param(2 * inter, hidden, dtype=dtype, device=device)
@@ -138,11 +172,17 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         self.attn_backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
-        h = h + F.linear(attn.reshape(num_tokens, -1), self.o_weight)
+        h = h + self._reduce(F.linear(attn.reshape(num_tokens, -1), self.o_weight))
 
         gate_up = F.linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight)
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        return h + self._reduce(F.linear(F.silu(gate) * up, self.down_weight))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""
+        if self.tp_size > 1:
+            dist.all_reduce(partial)
+        return partial
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,14 +193,19 @@ class LlamaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
+        check_tensor_parallel(config, tp_size)
+        assert 0 <= tp_rank < tp_size, f"tp_rank {tp_rank} outside 0..{tp_size - 1}"
         device = torch.device(device)
         self.config = config
         self.attn_backend = attn_backend
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.embed_tokens = _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, attn_backend, dtype, device, tp_size) for _ in range(config.num_hidden_layers)
         )
         self.norm = _empty_param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
@@ -203,34 +248,45 @@ class LlamaForCausalLM(nn.Module):
         """Fills every parameter from `tensor(hf_name)`, which raises for a missing name.
 
         q/k/v and gate/up are copied into their slices of the fused matrices;
-        each copy casts to this model's dtype and device.
+        each copy casts to this model's dtype and device. With tensor
+        parallelism, `split` names the dimension cut into tp_size equal shares,
+        of which this rank keeps share tp_rank: rows (output features) of the
+        column-parallel q/k/v/gate/up, columns (input features) of the
+        row-parallel o/down. Whole heads stay together because a projection's
+        rows are laid out head by head.
         """
-        cfg = self.config
 
-        def fill(dst: torch.Tensor, name: str) -> None:
+        def fill(dst: torch.Tensor, name: str, split: int | None = None) -> None:
             src = tensor(name)
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            full = list(dst.shape)
+            if split is not None:
+                full[split] *= self.tp_size
+            if list(src.shape) != full:
+                raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(full)}")
+            if split is not None and self.tp_size > 1:
+                share = dst.shape[split]
+                src = src.narrow(split, self.tp_rank * share, share)
             dst.copy_(src)
 
         fill(self.embed_tokens, "model.embed_tokens.weight")
         fill(self.norm, "model.norm.weight")
         if self.lm_head is not None:
             fill(self.lm_head, "lm_head.weight")
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
+            q_end = layer.num_heads * layer.head_dim
+            k_end = q_end + layer.num_kv_heads * layer.head_dim
+            inter = layer.down_weight.shape[1]
             fill(layer.input_norm, p + "input_layernorm.weight")
             fill(layer.post_norm, p + "post_attention_layernorm.weight")
-            fill(layer.qkv_weight[:q_end], p + "self_attn.q_proj.weight")
-            fill(layer.qkv_weight[q_end:k_end], p + "self_attn.k_proj.weight")
-            fill(layer.qkv_weight[k_end:], p + "self_attn.v_proj.weight")
+            fill(layer.qkv_weight[:q_end], p + "self_attn.q_proj.weight", split=0)
+            fill(layer.qkv_weight[q_end:k_end], p + "self_attn.k_proj.weight", split=0)
+            fill(layer.qkv_weight[k_end:], p + "self_attn.v_proj.weight", split=0)
             if layer.qkv_bias is not None:
-                fill(layer.qkv_bias[:q_end], p + "self_attn.q_proj.bias")
-                fill(layer.qkv_bias[q_end:k_end], p + "self_attn.k_proj.bias")
-                fill(layer.qkv_bias[k_end:], p + "self_attn.v_proj.bias")
-            fill(layer.o_weight, p + "self_attn.o_proj.weight")
-            fill(layer.gate_up_weight[:inter], p + "mlp.gate_proj.weight")
-            fill(layer.gate_up_weight[inter:], p + "mlp.up_proj.weight")
-            fill(layer.down_weight, p + "mlp.down_proj.weight")
+                fill(layer.qkv_bias[:q_end], p + "self_attn.q_proj.bias", split=0)
+                fill(layer.qkv_bias[q_end:k_end], p + "self_attn.k_proj.bias", split=0)
+                fill(layer.qkv_bias[k_end:], p + "self_attn.v_proj.bias", split=0)
+            fill(layer.o_weight, p + "self_attn.o_proj.weight", split=1)
+            fill(layer.gate_up_weight[:inter], p + "mlp.gate_proj.weight", split=0)
+            fill(layer.gate_up_weight[inter:], p + "mlp.up_proj.weight", split=0)
+            fill(layer.down_weight, p + "mlp.down_proj.weight", split=1)

@@ -26,7 +26,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
-    tokenizer: TokenizerInfo
+    tokenizer: TokenizerInfo | None  # None on tensor-parallel followers
 
 
 def default_model_path() -> str:
@@ -41,21 +41,24 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend
-) -> LoadedModel:
+def open_checkpoint(path: str | None):
+    """(checkpoint, tokenizer loader) for a model path; reads metadata, not weights yet."""
     path = default_model_path() if path is None else path
     if os.path.isfile(path) and path.endswith(".gguf"):
-        checkpoint = GGUFCheckpoint(path)
-        tokenizer = TokenizerInfo.from_gguf(path)
-    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        checkpoint = HFCheckpoint(path)
-        tokenizer = TokenizerInfo.from_hf_folder(path)
-    else:
-        raise ValueError(
-            f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json"
-        )
-    model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device)
+        return GGUFCheckpoint(path), lambda: TokenizerInfo.from_gguf(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return HFCheckpoint(path), lambda: TokenizerInfo.from_hf_folder(path)
+    raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json")
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
+    *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True,
+) -> LoadedModel:
+    """The model (this tensor-parallel rank's shard of it) and, unless asked
+    not to (followers never serve), its tokenizer."""
+    checkpoint, load_tokenizer = open_checkpoint(path)
+    model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
     model.eval()
-    return LoadedModel(model=model, config=checkpoint.config, tokenizer=tokenizer)
+    return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

@@ -14,9 +14,15 @@ requests first, then cached ones):
     positions:  [ 0 1 2 ... 511     | 37 | 90 | 512 ... 767 ]
     sample at:                  ^     ^    ^
     (r3's chunk ends before its prompt does: no token for it this step)
+
+With tensor parallelism (`tp` given) every rank runs `execute` on the same
+plan: rank 0 relays the plan as it starts, all ranks prepare and run the
+forward pass, and rank 0 alone computes logits and samples, then relays the
+tokens so every rank's request state stays identical (tensor_parallel.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -26,6 +32,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata
 from executor_svc.sampler import Sampler, build_sampling_metadata
+from executor_svc.tensor_parallel import TPGroup
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult
 
@@ -51,8 +58,10 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, attn_backend):
+    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, attn_backend,
+                 tp: TPGroup | None = None):
         self.model = model
+        self.tp = tp
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -70,6 +79,8 @@ class ModelRunner:
         """Runs one step; on any failure drops the step's requests and reports it."""
         start = time.perf_counter_ns()
         scheduled_ids = [r.request_id for r in plan.new_requests] + list(plan.cached_requests.request_ids)
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(("step", plan))  # the other ranks run this same method on it
         try:
             result = self._execute(plan)
         except Exception as e:  # one step's failure must not take down the executor
@@ -156,13 +167,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
-        batch = self._apply_plan(plan)
         result = StepResult(step_id=plan.step_id)
+        tp = self.tp
+        # Every rank holds the same state, so a bad plan fails on all of them;
+        # with tp, `agreed` makes sure of it before anyone enters a collective.
+        with tp.agreed("preparing the step") if tp else contextlib.nullcontext():
+            batch = self._apply_plan(plan)
+            if batch:
+                input_ids, positions, meta, cu = self._prepare_inputs(batch)
+                self.attn_backend.prepare(meta)
         if not batch:
             return result
-        input_ids, positions, meta, cu = self._prepare_inputs(batch)
-        self.attn_backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with tp.fatal_on_error("the forward pass") if tp else contextlib.nullcontext():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Only requests whose scheduled tokens reach the end of their known
         # tokens produce a token; a mid-prompt chunk produces none.
         sample_rows = [i for i, (s, n) in enumerate(batch) if s.num_computed_tokens + n == len(s.token_ids)]
@@ -170,17 +187,28 @@ class ModelRunner:
             state.num_computed_tokens += n
         if not sample_rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
         states = [batch[i][0] for i in sample_rows]
-        md = build_sampling_metadata(
-            [s.sampling for s in states],
-            [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.output_token_ids for s in states],
-            self.vocab_size,
-            self.device,
-        )
-        out = self.sampler(logits, md)
-        tokens = out.sampled_token_ids.tolist()
+        if tp is not None and not tp.is_driver:
+            for state, token in zip(states, tp.receive_tokens(len(states))):
+                state.token_ids.append(token)
+            return result
+        try:
+            logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
+            md = build_sampling_metadata(
+                [s.sampling for s in states],
+                [s.token_ids[: s.num_prompt_tokens] for s in states],
+                [s.output_token_ids for s in states],
+                self.vocab_size,
+                self.device,
+            )
+            out = self.sampler(logits, md)
+            tokens = out.sampled_token_ids.tolist()
+        except Exception:
+            if tp is not None:
+                tp.send_tokens(None, len(states))  # the other ranks drop this step's requests too
+            raise
+        if tp is not None:
+            tp.send_tokens(tokens, len(states))
         for state, token, lp in zip(states, tokens, out.logprobs):
             state.token_ids.append(token)
             result.sampled[state.request_id] = token

@@ -3,6 +3,10 @@
 The model loads once at start; KV memory is sized and allocated at the first
 handshake (it depends on the block size the scheduler asks for) and again only
 if a later handshake asks for a different block size.
+
+With tensor parallelism (`tp` given) each rank's Worker holds its share of the
+model and KV heads; rank 0's `configure` relays itself to the other ranks, and
+all ranks agree on one block count (tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import load_model
 from executor_svc.model_runner import ModelRunner
+from executor_svc.tensor_parallel import TPGroup
 from executor_svc.tokenizer_info import TokenizerInfo
 
 log = structlog.get_logger(__name__)
@@ -60,17 +65,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, config: ExecutorConfig):
+    def __init__(self, config: ExecutorConfig, tp: TPGroup | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        self.tp_size = 1 if tp is None else tp.size
+        self.device = resolve_device(config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "cpu"
         self.attn_backend = get_backend(backend)
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, self.dtype, self.device, self.attn_backend)
+        if self.device.type == "cpu" and (config.num_threads or tp is not None):
+            # Ranks on one host share its cores: by default each takes an equal
+            # share, since oversubscribed OpenMP threads spin against each other.
+            torch.set_num_threads(config.num_threads or max(1, torch.get_num_threads() // self.tp_size))
+        loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
+                            tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap
@@ -83,6 +93,7 @@ class Worker:
         return self.runner is not None
 
     def _kv_budget_bytes(self, block_size: int) -> int:
+        """This process's KV budget; <= 0 when a GPU has nothing left."""
         if self.device.type == "cpu":
             return int(self.config.kv_cache_gib * GIB)
         # CUDA: what the card has left under the utilisation cap once weights
@@ -90,10 +101,7 @@ class Worker:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
-        budget = int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve_bytes()
-        if budget <= 0:
-            raise ValueError("no GPU memory left for the KV cache: raise --gpu-memory-utilization")
-        return budget
+        return int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve_bytes()
 
     def _activation_reserve_bytes(self) -> int:
         # The peak of a forward at the scheduler's token budget is dominated by
@@ -104,21 +112,31 @@ class Worker:
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
         """Sizes and allocates KV memory for `block_size`; drops all request state."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(("configure", block_size, max_num_batched_tokens, max_num_seqs))
         self._max_tokens = max(max_num_batched_tokens, 1)
         if self.runner is not None and block_size == self._block_size:
             self.runner.reset()
             return self._info
         self.runner = None
-        num_blocks = num_blocks_for_budget(self._kv_budget_bytes(block_size), self.model_config, block_size, self.dtype)
-        kv_caches = allocate_kv_caches(self.model_config, num_blocks, block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.model_config.vocab_size, self.device, self.attn_backend)
+        budget = self._kv_budget_bytes(block_size)
+        if self.tp is not None:
+            # Block ids are global: every rank holds the same number of blocks, so the tightest rank decides.
+            budget = self.tp.min_over_ranks(budget)
+        if budget <= 0:
+            raise ValueError("no GPU memory left for the KV cache: raise --gpu-memory-utilization")
+        cfg, tp_size = self.model_config, self.tp_size
+        num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.dtype, tp_size)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.dtype, self.device, tp_size)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp)
         self._block_size = block_size
         self._info = HandshakeInfo(
             model=self.model_config,
             tokenizer=self.tokenizer,
             max_model_len=self.max_model_len,
             num_kv_blocks=num_blocks,
-            kv_cache_bytes=num_blocks * bytes_per_block(self.model_config, block_size, self.dtype),
+            # All ranks together.
+            kv_cache_bytes=num_blocks * bytes_per_block(cfg, block_size, self.dtype, tp_size) * tp_size,
             dtype_name=str(self.dtype).removeprefix("torch."),
             device=self.device.type,
             attention_backend=self.attn_backend.name,
