@@ -1,0 +1,175 @@
+"""Offline throughput: N requests submitted at once, timed until the last one finishes.
+
+    python -m bench throughput [--baseline hf] [--dtype float32[,bfloat16]] [--repeats 3]
+
+Reports requests/s, output tokens/s and total (prompt + output) tokens/s. With
+`--baseline hf` the same requests also run through Hugging Face `generate` in
+static batches (bench/hf_baseline.py), and with `--vllm-python` through vLLM's
+CPU build (bench/vllm_baseline.py), in the same process run, on the same
+machine, at the same dtype. Systems never run at the same time: the engine
+sits idle (it waits on an event, burning no CPU) while a baseline runs, and
+rounds alternate PagedServe, baseline, PagedServe, ... so that load from other
+users of a shared machine falls on all of them alike. The headline is the
+median over rounds of each round's PagedServe / best-HF ratio.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from bench import hf_baseline, report, vllm_baseline
+from bench.driver import model_info, run_requests, warm_up
+from bench.run_servers import EngineFlags, running_engine
+from bench.workloads import add_workload_args, check_fits, describe, workload_from_args
+from pagedserve_client import Client
+
+SUITE = "throughput"
+
+
+def add_args(p) -> None:
+    add_workload_args(p)
+    p.add_argument("--repeats", type=int, default=1, help="rounds; each round runs every system once")
+    p.add_argument("--baseline", choices=("none", "hf"), default="none")
+    p.add_argument("--hf-batch-sizes", default=",".join(map(str, hf_baseline.DEFAULT_BATCH_SIZES)))
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: run it too")
+    p.add_argument("--vllm-model", default=None,
+                   help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)")
+
+
+def measure_pagedserve(target: str, requests, label: str) -> dict:
+    progress = report.Progress(label, len(requests))
+    run = run_requests(target, requests, on_done=progress.step)
+    return dict(duration_s=run.duration_s, requests_per_s=len(requests) / run.duration_s,
+                output_tokens_per_s=run.output_tokens / run.duration_s,
+                total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.duration_s,
+                output_tokens=run.output_tokens, prompt_tokens=run.prompt_tokens)
+
+
+def measure_hf(model, requests, batch_sizes: list[int], pad_token_id: int, label: str) -> list[dict]:
+    out = []
+    for bs in batch_sizes:
+        progress = report.Progress(f"{label} hf bs={bs}", len(requests))
+        out.append(hf_baseline.run_static_batches(model, requests, bs, pad_token_id,
+                                                  on_batch=lambda n, p=progress: p.step(n=n)))
+    return out
+
+
+def _median(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
+def run_dtype(args, flags: EngineFlags) -> dict:
+    """Every system on one dtype: engine rounds interleaved with baseline rounds."""
+    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    out: dict = dict(dtype=flags.dtype, engine_flags=flags.as_dict(), pagedserve_rounds=[], hf_rounds=[])
+    with running_engine(flags, args.target) as target:
+        info = model_info(target)
+        out["model_info"] = info
+        with Client(target) as c:
+            requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
+        check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
+        out["workload"] = describe(requests)
+        warm_up(target, int(info["vocab_size"]))
+        model = None
+        if args.baseline == "hf":
+            # The dtype the server reports, so a --target engine is matched too.
+            print(f"[{SUITE}] loading the HF baseline ({info['dtype']})", file=sys.stderr)
+            model = hf_baseline.load_model(info["dtype"])
+            if flags.num_threads:
+                torch.set_num_threads(flags.num_threads)  # the executor gets the same --num-threads
+        for r in range(args.repeats):
+            label = f"[{SUITE} {flags.dtype} round {r + 1}/{args.repeats}]"
+            out["pagedserve_rounds"].append(measure_pagedserve(target, requests, f"{label} pagedserve"))
+            if model is not None:
+                out["hf_rounds"].append(measure_hf(model, requests, batch_sizes, int(info["eos_token_ids"][0]), label))
+        del model
+    # The engine is stopped before vLLM starts: one system on the cores at a time.
+    if args.vllm_python:
+        out["vllm"] = vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model, flags.num_threads)
+    return _summarize(out)
+
+
+def _summarize(out: dict) -> dict:
+    ps = out["pagedserve_rounds"]
+    out["pagedserve"] = {k: _median(ps, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+    if out["hf_rounds"]:
+        sizes = [b["batch_size"] for b in out["hf_rounds"][0]]
+        out["hf"] = {bs: {k: statistics.median(rnd[i][k] for rnd in out["hf_rounds"])
+                          for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+                     for i, bs in enumerate(sizes)}
+        best = max(out["hf"], key=lambda bs: out["hf"][bs]["output_tokens_per_s"])
+        out["hf_best_batch_size"] = best
+        # Each round's ratio uses that round's best batch size: both sides saw the same load.
+        ratios = [p["output_tokens_per_s"] / max(b["output_tokens_per_s"] for b in h)
+                  for p, h in zip(ps, out["hf_rounds"])]
+        out["ratio_vs_best_hf_per_round"] = ratios
+        out["ratio_vs_best_hf"] = statistics.median(ratios)
+    v = out.get("vllm")
+    if v and "output_tokens_per_s" in v:
+        out["ratio_vs_vllm"] = out["pagedserve"]["output_tokens_per_s"] / v["output_tokens_per_s"]
+    return out
+
+
+def table_rows(d: dict) -> list[list]:
+    rows = [[d["dtype"], "PagedServe", d["pagedserve"]["requests_per_s"], d["pagedserve"]["output_tokens_per_s"],
+             d["pagedserve"]["total_tokens_per_s"], ""]]
+    for bs, h in d.get("hf", {}).items():
+        ratio = d["pagedserve"]["output_tokens_per_s"] / h["output_tokens_per_s"]
+        rows.append([d["dtype"], f"HF static bs={bs}", h["requests_per_s"], h["output_tokens_per_s"],
+                     h["total_tokens_per_s"], f"{ratio:.2f}x"])
+    v = d.get("vllm")
+    if v:
+        if "output_tokens_per_s" in v:
+            rows.append([d["dtype"], "vLLM CPU", v["requests_per_s"], v["output_tokens_per_s"],
+                         v["total_tokens_per_s"], f"{d['ratio_vs_vllm']:.2f}x"])
+        else:
+            rows.append([d["dtype"], "vLLM CPU", "failed", "", "", v.get("error", "")[:60]])
+    return rows
+
+
+def chart(result: dict, path) -> None:
+    labels, values, colors = [], [], []
+    for d in result["dtypes"]:
+        tag = f" ({d['dtype']})" if len(result["dtypes"]) > 1 else ""
+        labels.append("PagedServe" + tag)
+        values.append(d["pagedserve"]["output_tokens_per_s"])
+        colors.append("tab:green")
+        for bs, h in d.get("hf", {}).items():
+            labels.append(f"HF bs={bs}{tag}")
+            values.append(h["output_tokens_per_s"])
+            colors.append("tab:gray")
+        if "output_tokens_per_s" in d.get("vllm", {}):
+            labels.append("vLLM CPU" + tag)
+            values.append(d["vllm"]["output_tokens_per_s"])
+            colors.append("tab:purple")
+    w = result["dtypes"][0]["workload"]
+    report.bar_chart(path, "Offline throughput: useful output tokens/s (median over rounds)", labels, values,
+                     "output tokens/s", colors,
+                     subtitle=f"{w['num_requests']} requests, prompts {w['prompt_len_min']}-{w['prompt_len_max']}, "
+                              f"outputs {w['output_len_min']}-{w['output_len_max']}")
+
+
+def main(args, argv: list[str]) -> dict:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.target and "," in args.dtype:
+        raise ValueError("--target serves one dtype; give a single --dtype (it only labels the results)")
+    result = report.new_result(SUITE, argv)
+    result["dtypes"] = [run_dtype(args, EngineFlags(dtype=dt, num_threads=args.num_threads,
+                                                    kv_cache_gib=args.kv_cache_gib))
+                        for dt in args.dtype.split(",")]
+    table = [r for d in result["dtypes"] for r in table_rows(d)]
+    print(report.format_table(["dtype", "system", "req/s", "out tok/s", "total tok/s", "PagedServe is"], table))
+    for d in result["dtypes"]:
+        if "ratio_vs_best_hf" in d:
+            print(f"{d['dtype']}: PagedServe / best HF (bs={d['hf_best_batch_size']}) = "
+                  f"{d['ratio_vs_best_hf']:.2f}x (median of per-round ratios "
+                  f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_best_hf_per_round'])})")
+    json_path = report.result_path(SUITE, args.out_dir)
+    if not args.no_chart:
+        chart(result, json_path.with_suffix(".png"))
+        result["chart"] = str(json_path.with_suffix(".png"))
+    report.write_json(result, json_path)
+    return result

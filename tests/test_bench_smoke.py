@@ -1,0 +1,183 @@
+"""The benchmark harness works: workloads, accounting, and a tiny run of every suite.
+
+One real engine (both processes, the embedded model) serves all four suites
+through `--target`, with a handful of short requests each, so the harness's
+gRPC path, result files and charts are exercised in well under a minute of
+model time. The HF baseline runs on a tiny random Llama, not the real model:
+what is under test is the static-batch bookkeeping, not the model.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench import hf_baseline, memory
+from bench.__main__ import main as bench_main
+from bench.driver import RequestRecord, percentile
+from bench.workloads import (
+    BenchRequest,
+    check_fits,
+    long_tail_workload,
+    poisson_arrivals,
+    read_jsonl,
+    shared_prefix_workload,
+    uniform_workload,
+)
+from pagedserve.v1 import generation_pb2 as pb
+from tests.servers import Servers
+
+VOCAB = 49152
+
+
+def test_uniform_workload_is_seeded_and_within_ranges():
+    a = uniform_workload(20, (64, 512), (32, 256), VOCAB, seed=3)
+    assert a == uniform_workload(20, (64, 512), (32, 256), VOCAB, seed=3)
+    assert a != uniform_workload(20, (64, 512), (32, 256), VOCAB, seed=4)
+    assert all(64 <= r.prompt_len <= 512 and 32 <= r.max_tokens <= 256 for r in a)
+    assert all(100 <= t < VOCAB for r in a for t in r.prompt_token_ids)
+
+
+def test_long_tail_workload_has_a_tail():
+    w = long_tail_workload(400, VOCAB, seed=0)
+    prompts = sorted(r.prompt_len for r in w)
+    assert prompts[-1] > 3 * prompts[len(prompts) // 2], "the longest prompts should be far above the median"
+    assert all(r.prompt_len <= 1024 and r.max_tokens <= 512 for r in w)
+
+
+def test_shared_prefix_workload_shares_exactly_the_prefix():
+    w = shared_prefix_workload(5, 64, (4, 8), 3, VOCAB, seed=1)
+    assert all(r.prompt_token_ids[:64] == w[0].prompt_token_ids[:64] for r in w)
+    assert len({tuple(r.prompt_token_ids[64:]) for r in w}) == 5
+
+
+def test_read_jsonl_accepts_ids_and_text_and_names_bad_lines(tmp_path):
+    good = tmp_path / "w.jsonl"
+    good.write_text('{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}\n\n{"prompt": "hello", "max_tokens": 2}\n')
+    reqs = read_jsonl(str(good))
+    assert reqs[0] == BenchRequest(max_tokens=4, prompt_token_ids=[5, 6, 7])
+    assert reqs[1] == BenchRequest(max_tokens=2, prompt="hello")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "max_tokens": 1}\n{"prompt": "no max_tokens"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_jsonl(str(bad))
+
+
+def test_check_fits_rejects_requests_past_the_context():
+    with pytest.raises(ValueError, match="request 1"):
+        check_fits([BenchRequest(4, [1] * 10), BenchRequest(8, [1] * 10)], max_model_len=16, vocab_size=VOCAB)
+
+
+def test_poisson_arrivals_mean_gap_and_burst():
+    times = poisson_arrivals(2000, rate=4.0, seed=0)
+    assert times == sorted(times) and times[0] == 0.0
+    assert times[-1] / (len(times) - 1) == pytest.approx(0.25, rel=0.1)
+    assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_latency_definitions():
+    rec = RequestRecord(index=0, max_tokens=4, sent_at=1.0, chunk_times=[1.5, 1.6, 2.0], chunk_tokens=[1, 2, 1],
+                        finished_at=2.0, output_tokens=4)
+    assert rec.ttft == pytest.approx(0.5)
+    assert rec.e2e == pytest.approx(1.0)
+    assert rec.tpot == pytest.approx(0.5 / 3)
+    assert rec.itls == pytest.approx([0.1, 0.4])
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([7], 99) == 7
+
+
+def test_serve_reports_medians_over_rounds():
+    from bench.serve import median_over_rounds
+
+    rounds = [{"rate": 2.0, "ttft": {"p50": t}, "goodput": {"ttft_slo_s": 1.0, "fraction": f}}
+              for t, f in ((1.0, 0.5), (9.0, 1.0), (3.0, 0.75))]
+    assert median_over_rounds(rounds) == {"rate": 2.0, "ttft": {"p50": 3.0},
+                                          "goodput": {"ttft_slo_s": 1.0, "fraction": 0.75}}
+
+
+def test_memory_waste_accounting():
+    status = pb.ServerStatus(kv_blocks_used=5, requests=[
+        pb.RequestSummary(request_id="m-0", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=20, computed_tokens=24,
+                          kv_blocks=2),
+        pb.RequestSummary(request_id="m-1", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=40, computed_tokens=40,
+                          kv_blocks=3),
+        pb.RequestSummary(request_id="m-2", status=pb.REQUEST_STATUS_WAITING, prompt_tokens=99),
+    ])
+    s = memory.sample_stats(status, {"m-0": 10, "m-1": 30, "m-2": 5}, block_size=16, max_model_len=100)
+    assert s["num_running"] == 2 and s["held_tokens"] == 64
+    assert s["paged_waste"] == pytest.approx(1 - 64 / 80)
+    assert s["reserve_waste"] == pytest.approx(1 - 64 / 100)
+    assert s["reserve_max_waste"] == pytest.approx(1 - 64 / 200)
+
+
+def test_hf_static_batches_count_only_useful_tokens():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    reqs = uniform_workload(5, (3, 9), (1, 6), 300, seed=2)
+    batches = []
+    r = hf_baseline.run_static_batches(model.eval(), reqs, batch_size=2, on_batch=batches.append)
+    assert batches == [2, 2, 1]
+    assert r["useful_output_tokens"] == sum(q.max_tokens for q in reqs)
+    assert r["generated_tokens"] == sum(len(reqs[i:i + 2]) * max(q.max_tokens for q in reqs[i:i + 2])
+                                        for i in range(0, 5, 2))
+    assert r["output_tokens_per_s"] == pytest.approx(r["useful_output_tokens"] / r["duration_s"])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.1", "--max-model-len", "512"]) as s:
+        yield s.public_addr
+
+
+def _run(suite: str, args: list[str], out_dir) -> dict:
+    assert bench_main([suite, *args, "--out-dir", str(out_dir)]) == 0
+    (json_path,) = out_dir.glob(f"{suite}-*.json")
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    result = json.loads(json_path.read_text())
+    assert result["machine"]["cpu_count"] >= 1 and result["command"].startswith(f"python -m bench {suite}")
+    return result
+
+
+@pytest.mark.e2e
+def test_suites_run_end_to_end(engine, tmp_path):
+    small = ["--target", engine, "--prompt-len", "16:48", "--output-len", "3:6"]
+
+    t = _run("throughput", [*small, "--num-requests", "4"], tmp_path / "t")
+    d = t["dtypes"][0]
+    assert d["pagedserve_rounds"][0]["output_tokens"] == d["workload"]["output_tokens"]
+    assert d["pagedserve"]["output_tokens_per_s"] > 0
+
+    s = _run("serve", [*small, "--num-requests", "4", "--rates", "8,inf", "--repeats", "2"], tmp_path / "s")
+    assert [r["rate"] for r in s["rates"]] == [8.0, math.inf] and len(s["rounds"]) == 2
+    for r in s["rates"]:
+        assert 0 < r["ttft"]["p50"] <= r["ttft"]["p99"] <= r["e2e"]["p99"]
+        assert 0 <= r["goodput"]["fraction"] <= 1
+
+    m = _run("memory", ["--target", engine, "--num-requests", "4", "--prompt-len", "64:200", "--output-len", "8:12",
+                        "--interval", "0.005"], tmp_path / "m")
+    w, c = m["summary"]["waste"], m["summary"]["concurrency"]
+    assert 0 <= w["paged"] < 1 and w["paged"] <= w["reserve_max_model_len"]
+    assert 1 <= c["paged_max_running"] <= 4 and c["reserve_max_model_len"] == m["summary"]["budget_tokens"] // 512
+
+    # One engine stands in for both runs: the harness path is the same, the accounting must hold.
+    p = _run("prefix", ["--target", engine, "--target-off", engine, "--num-requests", "3", "--prefix-len", "48",
+                        "--suffix-len", "4:8", "--output-len", "2"], tmp_path / "p")
+    for run in (p["on"], p["off"]):
+        assert run["cached_prompt_tokens"] + run["computed_prefill_tokens"] == run["prompt_tokens"]
+        assert run["prompt_tokens"] == run["workload"]["prompt_tokens"]
+
+
+def test_all_runs_every_suite_with_flags_that_parse(monkeypatch):
+    import bench.__main__ as entry
+
+    seen = []
+    for name, module in entry.SUITES.items():
+        monkeypatch.setattr(module, "main", lambda args, argv, name=name: seen.append((name, args.dtype, argv)))
+    assert entry.main(["all", "--no-micro", "--dtype", "bfloat16"]) == 0
+    assert [s[0] for s in seen] == ["throughput", "serve", "memory", "prefix"]
+    assert all(dtype == "bfloat16" for _, dtype, _ in seen)
+    assert seen[0][2][:3] == ["throughput", "--baseline", "hf"]
