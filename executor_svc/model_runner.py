@@ -84,7 +84,7 @@ class ModelRunner:
         try:
             result = self._execute(plan)
         except Exception as e:  # one step's failure must not take down the executor
-            log.exception("step_failed", step_id=plan.step_id, num_requests=len(scheduled_ids))
+            log.exception("step_failed", step_id=plan.step_id, request_ids=scheduled_ids)
             for rid in scheduled_ids:
                 self.requests.pop(rid, None)
             result = StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids)
@@ -95,6 +95,9 @@ class ModelRunner:
         """Updates request states from the plan; returns (state, num_scheduled) in batch order."""
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
+        if plan.new_requests:
+            # Request ids join these lines to the scheduler's request_finished lines.
+            log.debug("requests_added", step_id=plan.step_id, request_ids=[r.request_id for r in plan.new_requests])
         batch = []
         for new in plan.new_requests:
             if new.request_id in self.requests:

@@ -1,0 +1,103 @@
+"""A step that raises fails only its requests, with INTERNAL, and frees their blocks.
+
+The real scheduler front end (gRPC server, engine, scheduler) runs in process
+against a FakeExecutor behind a stand-in ExecutorClient; the fake fails one
+step for one request, as the executor reports a kernel exception.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from fake_executor import FakeExecutor
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.config import SchedulerServiceConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.executor_client import ExecutorInfo
+from scheduler_svc.server import GenerationServicer
+from tests.servers import free_port
+
+VOCAB = 200
+
+
+def word_tokenizer_json() -> str:
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+class FakeClient:
+    """ExecutorClient's interface over a FakeExecutor; fails one request on demand."""
+
+    def __init__(self):
+        self.executor: FakeExecutor | None = None
+        self.fail_request: str | None = None
+        self.steps_seen_with_target = 0
+
+    async def connect(self, block_size, max_num_batched_tokens, max_num_seqs, timeout_s=5.0) -> ExecutorInfo:
+        self.executor = FakeExecutor(block_size, 64, VOCAB, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens)
+        return ExecutorInfo(
+            model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None,
+            max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="x", device="cpu",
+            attention_backend="fake", tokenizer_json=word_tokenizer_json(), chat_template="", bos_token="",
+            eos_token="", add_bos_token=False,
+        )
+
+    async def step(self, plan):
+        ids = {r.request_id for r in plan.new_requests} | set(plan.cached_requests.request_ids)
+        if self.fail_request in ids:
+            self.steps_seen_with_target += 1
+            if self.steps_seen_with_target == 3:
+                self.executor.fail_next_step("RuntimeError: kernel exploded", [self.fail_request])
+        await asyncio.sleep(0.005)
+        return self.executor.execute(plan)
+
+    async def wait_lost(self):
+        await asyncio.Event().wait()
+
+    async def close(self):
+        pass
+
+
+async def scenario() -> None:
+    client = FakeClient()
+    engine = Engine(SchedulerServiceConfig(), client)
+    await engine.connect()
+    loop_task = asyncio.ensure_future(engine.run())
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, engine.config), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    client.fail_request = "doomed"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+
+            async def run(rid: str):
+                req = pb.GenerateRequest(request_id=rid, text="w1 w2 w3 w4 w5")
+                req.stopping.max_tokens, req.stopping.ignore_eos = 12, True
+                return [m async for m in stub.Generate(req, timeout=30)]
+
+            doomed, survivor = await asyncio.gather(run("doomed"), run("survivor"), return_exceptions=True)
+            assert isinstance(doomed, grpc.aio.AioRpcError), doomed
+            assert doomed.code() == grpc.StatusCode.INTERNAL and "kernel exploded" in doomed.details()
+            assert not isinstance(survivor, BaseException), survivor
+            assert survivor[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert sum(len(m.token_ids) for m in survivor) == 12
+            status = await stub.GetServerStatus(pb.GetServerStatusRequest())
+            assert status.kv_blocks_used == 0 and status.num_running == 0
+            after = await run("after")  # the server keeps serving
+            assert sum(len(m.token_ids) for m in after) == 12
+    finally:
+        loop_task.cancel()
+        await server.stop(None)
+
+
+def test_failed_step_fails_only_its_request_with_internal():
+    asyncio.run(scenario())
