@@ -141,9 +141,5 @@ def main(args, argv: list[str]) -> dict:
           s["concurrency"]["reserve_max_model_len"]]]))
     print(f"KV budget {budget} tokens ({before.kv_blocks_total} blocks of {block_size}); {s['num_samples']} samples; "
           f"{s['num_preemptions']} preemptions")
-    json_path = report.result_path(SUITE, args.out_dir)
-    if not args.no_chart:
-        chart(result, json_path.with_suffix(".png"))
-        result["chart"] = str(json_path.with_suffix(".png"))
-    report.write_json(result, json_path)
+    report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result

@@ -92,9 +92,5 @@ def main(args, argv: list[str]) -> dict:
                                "TTFT p50 (s)", "TTFT p90 (s)", "wall (s)"], rows))
     print(f"cache off / on: computed prefill {result['computed_prefill_ratio_off_over_on']:.1f}x, "
           f"TTFT p50 {result['ttft_p50_ratio_off_over_on']:.2f}x, wall {result['duration_ratio_off_over_on']:.2f}x")
-    json_path = report.result_path(SUITE, args.out_dir)
-    if not args.no_chart:
-        chart(result, json_path.with_suffix(".png"))
-        result["chart"] = str(json_path.with_suffix(".png"))
-    report.write_json(result, json_path)
+    report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result

@@ -77,6 +77,15 @@ def write_json(result: dict, path: Path) -> Path:
     return path
 
 
+def save(result: dict, suite: str, out_dir: Path | None, chart=None) -> Path:
+    """Writes the result JSON and, when `chart(result, png_path)` is given, its PNG beside it."""
+    json_path = result_path(suite, out_dir)
+    if chart is not None:
+        chart(result, json_path.with_suffix(".png"))
+        result["chart"] = str(json_path.with_suffix(".png"))
+    return write_json(result, json_path)
+
+
 def format_table(headers: list[str], rows: list[list]) -> str:
     """A plain aligned text table; floats get 3 significant decimals."""
     def cell(v):

@@ -133,9 +133,6 @@ def main(args, argv: list[str]) -> dict:
              f"{r['goodput']['fraction']:.0%}", r["achieved"]["output_tokens_per_s"]] for r in result["rates"]]
     print(report.format_table(headers, rows))
     print(f"(seconds; goodput = share of requests with TTFT <= {args.ttft_slo}s and TPOT <= {args.tpot_slo}s)")
-    json_path = report.result_path(SUITE, args.out_dir)
-    if not args.no_chart and any(math.isfinite(r) for r in rates):
-        chart(result, json_path.with_suffix(".png"))
-        result["chart"] = str(json_path.with_suffix(".png"))
-    report.write_json(result, json_path)
+    drawable = not args.no_chart and any(math.isfinite(r) for r in rates)  # all-at-once has no rate axis
+    report.save(result, SUITE, args.out_dir, chart if drawable else None)
     return result

@@ -167,9 +167,5 @@ def main(args, argv: list[str]) -> dict:
             print(f"{d['dtype']}: PagedServe / best HF (bs={d['hf_best_batch_size']}) = "
                   f"{d['ratio_vs_best_hf']:.2f}x (median of per-round ratios "
                   f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_best_hf_per_round'])})")
-    json_path = report.result_path(SUITE, args.out_dir)
-    if not args.no_chart:
-        chart(result, json_path.with_suffix(".png"))
-        result["chart"] = str(json_path.with_suffix(".png"))
-    report.write_json(result, json_path)
+    report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result
