@@ -71,9 +71,12 @@ class Worker:
         self.tp_size = 1 if tp is None else tp.size
         self.device = resolve_device(config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "cpu"
+        if backend == "triton" and self.kv_dtype != self.dtype:
+            raise ValueError("--kv-cache-dtype different from --dtype is supported by the cpu and torch backends only")
         self.attn_backend = get_backend(backend)
         if self.device.type == "cpu" and (config.num_threads or tp is not None):
             # Ranks on one host share its cores: by default each takes an equal
@@ -126,8 +129,8 @@ class Worker:
         if budget <= 0:
             raise ValueError("no GPU memory left for the KV cache: raise --gpu-memory-utilization")
         cfg, tp_size = self.model_config, self.tp_size
-        num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.dtype, tp_size)
-        kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.dtype, self.device, tp_size)
+        num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.kv_dtype, tp_size)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.kv_dtype, self.device, tp_size)
         self.runner = ModelRunner(self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp)
         self._block_size = block_size
         self._info = HandshakeInfo(
@@ -136,7 +139,7 @@ class Worker:
             max_model_len=self.max_model_len,
             num_kv_blocks=num_blocks,
             # All ranks together.
-            kv_cache_bytes=num_blocks * bytes_per_block(cfg, block_size, self.dtype, tp_size) * tp_size,
+            kv_cache_bytes=num_blocks * bytes_per_block(cfg, block_size, self.kv_dtype, tp_size) * tp_size,
             dtype_name=str(self.dtype).removeprefix("torch."),
             device=self.device.type,
             attention_backend=self.attn_backend.name,

@@ -316,3 +316,18 @@ def test_cpu_backend_decodes_only_and_prefills_only():
     for shapes in ([(5, 1), (0, 1), (31, 1)], [(0, 7), (12, 4)]):
         batch = make_batch(shapes, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=3)
         assert_matches_reference(run_step(cpu_backend(), batch), batch)
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "torch"])
+def test_bfloat16_kv_cache_under_a_float32_model_matches_reference_on_rounded_kv(backend_name):
+    """--kv-cache-dtype bfloat16: K/V are stored rounded, everything else stays float32."""
+    batch = make_batch(mixed_shapes(16), block_size=16, num_kv_heads=3, group=3, head_dim=64,
+                       dtype=torch.float32, seed=31)
+    rounded = lambda t: t.to(torch.bfloat16).to(torch.float32)  # noqa: E731
+    narrow = dataclasses.replace(
+        batch, k_cache=batch.k_cache.to(torch.bfloat16), v_cache=batch.v_cache.to(torch.bfloat16),
+        keys=[rounded(k) for k in batch.keys], values=[rounded(v) for v in batch.values],
+    )
+    out = run_step(get_backend(backend_name), narrow)
+    assert out.dtype == torch.float32
+    assert_matches_reference(out, narrow)

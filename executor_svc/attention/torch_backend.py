@@ -118,8 +118,9 @@ class TorchAttentionBackend:
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        # .to() is a no-op unless the cache is stored narrower than the model (--kv-cache-dtype).
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
     def forward(
         self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -143,8 +144,8 @@ class TorchAttentionBackend:
             n, length, rows = g.tokens.numel(), g.length, g.slots.numel()
             k = torch.index_select(k_rows, 0, g.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, g.slots, out=v_ws[:rows])
-            k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+            v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
             q = query.index_select(0, g.tokens).view(n, num_kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
             out.index_copy_(0, g.tokens, o.reshape(n, num_heads, head_dim))
@@ -153,8 +154,8 @@ class TorchAttentionBackend:
             rows = p.slots.numel()
             k = torch.index_select(k_rows, 0, p.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, p.slots, out=v_ws[:rows])
-            k = k.view(1, rows, num_kv_heads, head_dim).transpose(1, 2)
-            v = v.view(1, rows, num_kv_heads, head_dim).transpose(1, 2)
+            k = k.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+            v = v.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
             q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[p.start:p.end] = o[0].transpose(0, 1)
