@@ -12,7 +12,9 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from pagedserve_client import Client
 
 EXECUTOR = os.environ.get("PAGEDSERVE_EXECUTOR", "127.0.0.1:50052")
 PUBLIC = os.environ.get("PAGEDSERVE_LISTEN", "127.0.0.1:50051")
@@ -20,9 +22,8 @@ PUBLIC = os.environ.get("PAGEDSERVE_LISTEN", "127.0.0.1:50051")
 
 def serving(target: str) -> bool:
     try:
-        with grpc.insecure_channel(target) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        with Client(target) as c:
+            return c.health(timeout=1.0) == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
 

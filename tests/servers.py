@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from pagedserve_client import Client
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,8 +30,8 @@ def free_port() -> int:
 
 def health_status(target: str, service: str = "", timeout: float = 1.0) -> int | None:
     try:
-        with grpc.insecure_channel(target) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        with Client(target) as c:
+            return c.health(service, timeout=timeout)
     except grpc.RpcError:
         return None
 
