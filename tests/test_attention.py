@@ -306,6 +306,30 @@ def test_cpu_backend_random_batches_match_reference(seed):
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (32, 2)])
+def test_portable_native_kernel_matches_reference(dtype, head_dim, group):
+    """The plain-C kernel that CPUs without AVX-512 (and other shapes) run."""
+    from executor_svc.attention import native_kernel
+    from executor_svc.attention.cpu_backend import CpuAttentionBackend
+
+    kernel = native_kernel.load(portable=True)
+    assert kernel is not None, "the portable native kernel did not build"
+    batch = make_batch(mixed_shapes(16) + [(300, 1)], block_size=16, num_kv_heads=2, group=group,
+                       head_dim=head_dim, dtype=dtype, seed=head_dim + group)
+    assert_matches_reference(run_step(CpuAttentionBackend(kernel), batch), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_long_peaked_decodes_match_reference(dtype):
+    """Histories of many 16-token chunks under a sharp softmax: the online
+    softmax must rescale its running sums correctly each time the max moves."""
+    batch = make_batch([(1000, 1), (517, 1), (33, 1), (15, 1)], block_size=16, num_kv_heads=3, group=3,
+                       head_dim=64, dtype=dtype, seed=41)
+    batch = dataclasses.replace(batch, query=batch.query * 6)
+    assert_matches_reference(run_step(cpu_backend(), batch), batch)
+
+
 def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
     batch = make_batch([(0, 5), (13, 1), (9, 3), (40, 1)], block_size=8, num_kv_heads=1, group=3, head_dim=64,
                        dtype=torch.float32, seed=22)

@@ -53,22 +53,26 @@ def _build_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "pagedserve-native")
 
 
-@lru_cache(maxsize=1)
-def load():
-    """The compiled kernel's function, or None if it cannot be built here."""
+@lru_cache(maxsize=2)
+def load(portable: bool = False):
+    """The compiled kernel's function, or None if it cannot be built here.
+
+    `portable` builds the plain-C kernel even where AVX-512 is available
+    (tests check both paths on one machine)."""
+    flags = FLAGS + ["-DPAGED_DECODE_GENERIC"] if portable else FLAGS
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("native_kernel_unavailable", reason="no C compiler on PATH")
         return None
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     folder = _build_dir()
     os.makedirs(folder, exist_ok=True)
     lib_path = os.path.join(folder, f"paged_decode-{key}.so")
     if not os.path.exists(lib_path):
         tmp = f"{lib_path}.{os.getpid()}.tmp"
-        done = subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             log.warning("native_kernel_unavailable", reason="compile failed", stderr=done.stderr[-2000:])
             return None

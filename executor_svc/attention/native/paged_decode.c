@@ -12,9 +12,14 @@
  * Decode i reads query row tokens[i], request row seq_index[i] of the block
  * tables and seq_lens, and writes output row out_rows[i].
  *
- * Work item = one decode, all heads: each token's K/V row (every KV head) is
- * loaded once and serves all query heads (GQA). Two passes per item:
- * scores = q.K (then an exact softmax), out = p.V.
+ * Two implementations behind one entry point:
+ *  - AVX-512 (head_dim 64 or 128, up to 8 query heads per KV head): work item
+ *    = (decode, KV head); one pass over the history with an online softmax,
+ *    16 tokens at a time, accumulators in registers (decode_heads below).
+ *  - portable C (any other shape or CPU; -DPAGED_DECODE_GENERIC forces it, so
+ *    tests can check it on AVX-512 machines too): work item = one decode, all
+ *    heads; each token's K/V row is loaded once and serves every query head
+ *    (GQA), in two passes: scores = q.K with an exact softmax, then out = p.V.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,7 +44,7 @@ static inline const float *token_row(float *scratch, const void *cache, int64_t 
     return scratch;
 }
 
-int paged_decode_attention(
+static int decode_generic(
     float *out, int64_t out_tok_stride, int64_t out_head_stride,
     const float *q, int64_t q_tok_stride, int64_t q_head_stride,
     const void *k_cache, const void *v_cache, int cache_bf16,
@@ -118,3 +123,207 @@ int paged_decode_attention(
     }
     return failed ? -1 : 0;
 }
+
+#if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
+#include <immintrin.h>
+
+#define CHUNK 16 /* tokens scored together: one zmm of scores per head */
+
+/* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by its
+ * degree-6 Taylor series (truncation error < 2e-7 relative), scaled by 2^n. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 consecutive values of a K/V row, widened to float32. */
+static inline __m512 load16(const void *base, int64_t first, int bf16) {
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)base + first);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + first));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* Sums each of 16 vectors: out[j] = sum of v[j]'s lanes. A tree of 128- and
+ * 32-bit lane shuffles halves the vector count at each level (45 ops instead
+ * of 16 separate horizontal sums); the last permute restores token order. */
+static inline __m512 sum16(__m512 v[16]) {
+    __m512 w[8], u[4], z[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44), _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
+    for (int k = 0; k < 4; k++)
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[k], w[k + 4], 0x88), _mm512_shuffle_f32x4(w[k], w[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++)
+        z[k] = _mm512_add_ps(_mm512_shuffle_ps(u[k], u[k + 2], 0x44), _mm512_shuffle_ps(u[k], u[k + 2], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
+}
+
+/* One decode's attention for the G query heads of KV head `kv`, in one pass
+ * over its history with an online softmax (running max m, sum l):
+ *
+ *   per chunk of 16 tokens:  s = q.K  ->  m' = max(m, max s),  p = e^(s - m')
+ *                            acc = acc * e^(m - m') + p.V,  l = l * e^(m - m') + sum p
+ *   out = acc / l
+ *
+ * G and NC (= head_dim / 16) are compile-time constants in each instance, so
+ * the accumulators stay in registers. A chunk's 16 rows may span blocks:
+ * rows[] holds each token's offset, resolved through the block table. */
+static inline __attribute__((always_inline)) void decode_heads(
+    const int G, const int NC, const int bf16, float *out, int64_t out_head_stride, const float *q, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, const int32_t *table, int len, int block_size,
+    int64_t row_len, int kv, float scale)
+{
+    /* Sized for the largest instance; constant G and NC let the compiler keep
+     * the used part of acc in registers. */
+    float qs[8][128], p[8][CHUNK], m[8], l[8];
+    __m512 acc[8][8];
+    for (int h = 0; h < G; h++) {
+        const float *src = q + (int64_t)(kv * G + h) * q_head_stride;
+        for (int d = 0; d < NC * 16; d++) qs[h][d] = src[d] * scale;
+        for (int c = 0; c < NC; c++) acc[h][c] = _mm512_setzero_ps();
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+    }
+    int64_t rows[CHUNK];
+    for (int t0 = 0; t0 < len; t0 += CHUNK) {
+        const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int j = 0; j < CHUNK; j++) {
+            /* Past the end, rows repeat the chunk's first token: scored, then masked out.
+             * A full-width loop unrolls, keeping part[] in registers. */
+            const int t = t0 + (j < n ? j : 0);
+            rows[j] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_len + (int64_t)kv * NC * 16;
+        }
+        /* Prefetch the next chunk's K and V rows into L2: one core's own misses
+         * (a dozen line-fill buffers) cannot keep enough reads in flight to
+         * stream memory, and the next rows are in another block the hardware
+         * prefetcher cannot predict. */
+        for (int t = t0 + CHUNK; t < len && t < t0 + 2 * CHUNK; t++) {
+            const int64_t row = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_len + (int64_t)kv * NC * 16;
+            for (int b = 0; b < NC * 16 * (bf16 ? 2 : 4); b += 64) {
+                _mm_prefetch((const char *)k_cache + row * (bf16 ? 2 : 4) + b, _MM_HINT_T1);
+                _mm_prefetch((const char *)v_cache + row * (bf16 ? 2 : 4) + b, _MM_HINT_T1);
+            }
+        }
+#pragma GCC unroll 8
+        for (int h = 0; h < G; h++) {
+            __m512 part[CHUNK];
+#pragma GCC unroll 16
+            for (int j = 0; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int c = 0; c < NC; c++) {
+                const __m512 qc = _mm512_loadu_ps(qs[h] + 16 * c);
+#pragma GCC unroll 16
+                for (int j = 0; j < CHUNK; j++)
+                    part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + 16 * c, bf16), part[j]);
+            }
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
+            const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[h] ? s_max : m[h];
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            /* The vector exp, not expf: a libm call would spill every accumulator.
+             * On the first chunk m = -inf and alpha ~ 1e-38 scales zeros. */
+            const __m512 alpha = exp512(_mm512_set1_ps(m[h] - m_new));
+            l[h] = l[h] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(e);
+            m[h] = m_new;
+            _mm512_storeu_ps(p[h], e);
+#pragma GCC unroll 8
+            for (int c = 0; c < NC; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], alpha);
+        }
+        for (int j = 0; j < n; j++) {
+#pragma GCC unroll 8
+            for (int c = 0; c < NC; c++) {
+                const __m512 v = load16(v_cache, rows[j] + 16 * c, bf16);
+#pragma GCC unroll 8
+                for (int h = 0; h < G; h++) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), v, acc[h][c]);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+        float *dst = out + (int64_t)(kv * G + h) * out_head_stride;
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+    }
+}
+
+/* One instance per (heads per KV head, head_dim / 16, bfloat16 cache) the fast path serves. */
+#define DECODE_INSTANCE(G, NC, BF)                                                                          \
+    static void decode_##G##_##NC##_##BF(float *o, int64_t os, const float *q, int64_t qs, const void *k,  \
+                                         const void *v, const int32_t *t, int len, int bs, int64_t rl,     \
+                                         int kv, float sc) {                                               \
+        decode_heads(G, NC, BF, o, os, q, qs, k, v, t, len, bs, rl, kv, sc);                               \
+    }
+#define DECODE_INSTANCES(G) \
+    DECODE_INSTANCE(G, 4, 0) DECODE_INSTANCE(G, 8, 0) DECODE_INSTANCE(G, 4, 1) DECODE_INSTANCE(G, 8, 1)
+DECODE_INSTANCES(1) DECODE_INSTANCES(2) DECODE_INSTANCES(3) DECODE_INSTANCES(4)
+DECODE_INSTANCES(5) DECODE_INSTANCES(6) DECODE_INSTANCES(7) DECODE_INSTANCES(8)
+
+typedef void (*decode_fn)(float *, int64_t, const float *, int64_t, const void *, const void *,
+                          const int32_t *, int, int, int64_t, int, float);
+#define GROUP(G) {{decode_##G##_4_0, decode_##G##_4_1}, {decode_##G##_8_0, decode_##G##_8_1}}
+static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROUP(4),
+                                              GROUP(5), GROUP(6), GROUP(7), GROUP(8)};
+
+static decode_fn fast_path(int group, int head_dim, int bf16) {
+    if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128))
+        return NULL;
+    return DECODE_FNS[group - 1][head_dim == 128][bf16 != 0];
+}
+
+int paged_decode_attention(
+    float *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int cache_bf16,
+    const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,
+    int num_decodes,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
+    float scale, int num_threads)
+{
+    const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, cache_bf16);
+    if (fn == NULL)
+        return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache,
+                              v_cache, cache_bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows,
+                              seq_index, num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_seq_len,
+                              scale, num_threads);
+    const int64_t row_len = (int64_t)num_kv_heads * head_dim;
+    /* Work item = (decode, KV head): a single long decode still uses every thread. */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < (int64_t)num_decodes * num_kv_heads; item++) {
+        const int i = (int)(item / num_kv_heads), kv = (int)(item % num_kv_heads), r = seq_index[i];
+        fn(out + out_rows[i] * out_tok_stride, out_head_stride, q + tokens[i] * q_tok_stride, q_head_stride,
+           k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r], block_size,
+           row_len, kv, scale);
+    }
+    return 0;
+}
+
+#else /* no AVX-512: the portable kernel serves every shape */
+
+int paged_decode_attention(
+    float *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int cache_bf16,
+    const int32_t *block_tables, int64_t block_table_stride,
+    const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,
+    int num_decodes,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
+    float scale, int num_threads)
+{
+    return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache, v_cache,
+                          cache_bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows, seq_index,
+                          num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale,
+                          num_threads);
+}
+#endif
