@@ -1,8 +1,10 @@
 """The executor's tensors: model weights, KV memory and the model runner.
 
 The model loads once at start; KV memory is sized and allocated at the first
-handshake (it depends on the block size the scheduler asks for) and again only
-if a later handshake asks for a different block size.
+handshake and again only if a later one asks for a different block size (on
+CUDA, also for different batch limits). On CPU the budget is --kv-cache-gib;
+on CUDA it is what --gpu-memory-utilization of the card leaves once a
+profiling step at the scheduler's largest batch has run (memory_profile.py).
 
 With tensor parallelism (`tp` given) each rank's Worker holds its share of the
 model and KV heads; rank 0's `configure` relays itself to the other ranks, and
@@ -18,6 +20,7 @@ import torch
 from executor_svc.attention import get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+from executor_svc.memory_profile import cuda_kv_budget
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import load_model
 from executor_svc.model_runner import ModelRunner
@@ -88,41 +91,33 @@ class Worker:
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap
         self.runner: ModelRunner | None = None
-        self._block_size = 0
+        self._sized_for: tuple[int, ...] = ()  # what the KV cache was sized for
         self._info: HandshakeInfo | None = None
 
     @property
     def configured(self) -> bool:
         return self.runner is not None
 
-    def _kv_budget_bytes(self, block_size: int) -> int:
+    def _kv_budget_bytes(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """This process's KV budget; <= 0 when a GPU has nothing left."""
         if self.device.type == "cpu":
             return int(self.config.kv_cache_gib * GIB)
-        # CUDA: what the card has left under the utilisation cap once weights
-        # and a profiled peak of activations are accounted for.
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        return int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve_bytes()
-
-    def _activation_reserve_bytes(self) -> int:
-        # The peak of a forward at the scheduler's token budget is dominated by
-        # the logits-free MLP activations: tokens x intermediate x a few buffers.
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 8 * self._max_tokens * max(cfg.intermediate_size, 3 * cfg.hidden_size) * elem
+        # CUDA: what the card has left under the utilisation cap once the
+        # largest step the scheduler may send has run (memory_profile.py).
+        return cuda_kv_budget(self.model, block_size, self.kv_dtype, max_num_batched_tokens, max_num_seqs,
+                              self.max_model_len, self.config.gpu_memory_utilization, self.tp)
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
         """Sizes and allocates KV memory for `block_size`; drops all request state."""
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(("configure", block_size, max_num_batched_tokens, max_num_seqs))
-        self._max_tokens = max(max_num_batched_tokens, 1)
-        if self.runner is not None and block_size == self._block_size:
+        # On CUDA the size also depends on the largest step the scheduler may send.
+        sized_for = (block_size,) if self.device.type == "cpu" else (block_size, max_num_batched_tokens, max_num_seqs)
+        if self.runner is not None and sized_for == self._sized_for:
             self.runner.reset()
             return self._info
-        self.runner = None
-        budget = self._kv_budget_bytes(block_size)
+        self.runner = None  # frees the old KV cache before the new one is sized
+        budget = self._kv_budget_bytes(block_size, max_num_batched_tokens, max_num_seqs)
         if self.tp is not None:
             # Block ids are global: every rank holds the same number of blocks, so the tightest rank decides.
             budget = self.tp.min_over_ranks(budget)
@@ -132,7 +127,7 @@ class Worker:
         num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.kv_dtype, tp_size)
         kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.kv_dtype, self.device, tp_size)
         self.runner = ModelRunner(self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp)
-        self._block_size = block_size
+        self._sized_for = sized_for
         self._info = HandshakeInfo(
             model=self.model_config,
             tokenizer=self.tokenizer,
