@@ -22,6 +22,9 @@ from bench import memory, prefix, report, serve, throughput
 SUITES = {"throughput": throughput, "serve": serve, "memory": memory, "prefix": prefix}
 # Micro-benchmarks owned elsewhere; `all` runs them as they are, with their defaults.
 MICRO = (["-m", "bench.scheduler_cost"], ["bench/attention_cpu.py"], ["bench/sampler_cpu.py"])
+# Micro-benchmarks that write result files as the suites do: `all` also passes them its threads and output
+# flags (not --dtype: each sweeps its own dtypes).
+REPORTING_MICRO = (["-m", "bench.forward_sweep"],)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
         _common(sp)
     a = sub.add_parser("all", help="every suite with its defaults (throughput with --baseline hf), "
                                    "then the micro-benchmarks")
-    a.add_argument("--no-micro", action="store_true", help="skip bench/scheduler_cost, attention_cpu, sampler_cpu")
+    a.add_argument("--no-micro", action="store_true",
+                   help="skip bench/scheduler_cost, attention_cpu, sampler_cpu, forward_sweep")
     a.add_argument("--vllm-python", default=None, help="also run vLLM in the throughput suite")
     _common(a)
     return p
@@ -53,11 +57,12 @@ def parser() -> argparse.ArgumentParser:
 
 def run_all(args, argv: list[str]) -> None:
     p = parser()
-    common = ["--dtype", args.dtype, "--num-threads", str(args.num_threads)]
+    shared = ["--num-threads", str(args.num_threads)]
     if args.out_dir:
-        common += ["--out-dir", str(args.out_dir)]
+        shared += ["--out-dir", str(args.out_dir)]
     if args.no_chart:
-        common.append("--no-chart")
+        shared.append("--no-chart")
+    common = ["--dtype", args.dtype, *shared]
     runs = [["throughput", "--baseline", "hf", *(["--vllm-python", args.vllm_python] if args.vllm_python else [])],
             ["serve"], ["memory"], ["prefix"]]
     for suite_argv in runs:
@@ -65,7 +70,7 @@ def run_all(args, argv: list[str]) -> None:
         print(f"\n=== python -m bench {' '.join(full)}", flush=True)
         SUITES[full[0]].main(p.parse_args(full), full)
     if not args.no_micro:
-        for cmd in MICRO:
+        for cmd in (*MICRO, *([*c, *shared] for c in REPORTING_MICRO)):
             print(f"\n=== python {' '.join(cmd)}", flush=True)
             subprocess.run([sys.executable, *cmd], cwd=report.REPO, check=True)
 

@@ -181,3 +181,40 @@ def test_all_runs_every_suite_with_flags_that_parse(monkeypatch):
     assert [s[0] for s in seen] == ["throughput", "serve", "memory", "prefix"]
     assert all(dtype == "bfloat16" for _, dtype, _ in seen)
     assert seen[0][2][:3] == ["throughput", "--baseline", "hf"]
+
+
+def test_forward_sweep_times_the_runner_in_process(tmp_path):
+    """The real Worker and ModelRunner on a tiny random Llama (the real model takes far longer to load):
+    what is under test is the synthetic plans, the FLOP accounting and the result files."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from bench import forward_sweep
+    from tests.model_utils import save_tiny_hf_model
+
+    model_dir = tmp_path / "model"
+    hf = save_tiny_hf_model("llama_tied", str(model_dir))
+    # The Worker loads a tokenizer with every model; the sweep never tokenizes.
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(model_dir / "tokenizer.json"))
+    threads = torch.get_num_threads()
+    try:
+        r = forward_sweep.main(["--model", str(model_dir), "--batch-sizes", "1,2", "--context", "40",
+                                "--contexts", "32", "--batch", "2", "--prefill-tokens", "16", "--prefill-batch", "2",
+                                "--dtypes", "float32", "--rounds", "1", "--num-threads", "1",
+                                "--out-dir", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)  # the Worker sets them for the whole process
+    (json_path,) = (tmp_path / "out").glob("forward_sweep-*.json")
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    assert json.loads(json_path.read_text())["rows"] == r["rows"]
+    assert r["command"].startswith("python -m bench.forward_sweep --model")
+    assert [(x["sweep"], x["batch"], x["context"], x["tokens"]) for x in r["rows"]] == [
+        ("batch", 1, 40, 1), ("batch", 2, 40, 2), ("context", 2, 32, 2), ("prefill", 2, 16, 32)]
+    m = r["model"]
+    head = hf.config.vocab_size * hf.config.hidden_size
+    assert m["head_params"] == head and m["non_embedding_params"] == sum(p.numel() for p in hf.parameters()) - head
+    assert r["rows"][-1]["flops"] == 2 * (m["non_embedding_params"] * 32 + head * 2)  # the head on sampled rows only
+    assert r["ceiling"]["float32"]["best_gflops"] > 0
+    for row in r["rows"]:
+        assert 0 < row["forward_ms"] <= row["step_ms"]
+        assert row["fraction_of_ceiling"] == pytest.approx(row["ceiling_ms"] / row["step_ms"])

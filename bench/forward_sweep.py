@@ -1,0 +1,283 @@
+"""Forward time per step against batch size and context length, beside the CPU's matmul ceiling.
+
+    .venv/bin/python -m bench.forward_sweep [--dtypes float32,bfloat16] [--num-threads 0] [--rounds 5]
+        [--batch-sizes 1,2,4,8,16,32,64,128,256 --context 256] [--contexts 128,256,512,1024,2048 --batch 64]
+        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--out-dir DIR] [--no-chart]
+
+In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
+--model) runs synthetic step plans through ModelRunner.execute, the call the
+executor server makes once per step. A decode at context c is a request of c
+random tokens whose first c-1 count as cached (num_computed_tokens = c-1; KV
+contents do not change the time) and one scheduled token, in ceil(c/16)
+blocks of its own: no two requests share a block, as in a real cache, so
+attention reads as much memory as it would in service. Each timed step sends
+fresh request ids and finishes the previous step's, so the runner only ever
+holds one batch; sending requests as new rather than cached costs a copy of
+their token lists, small beside the forward. A prefill row is one step of
+--prefill-batch requests with --prefill-tokens new tokens each, none cached.
+
+Times are medians over --rounds steps after 2 warm-up steps. "step" is all of
+execute() (plan, inputs, forward, LM head, sampling); "fwd" is the model call
+alone. "tok/s" is scheduled tokens per second (for decodes, tokens generated).
+
+Achieved GFLOP/s counts matmul work only, at 2 FLOPs per weight per token:
+
+    flops = 2 * (P * tokens + V * H * sampled)
+
+P is the non-embedding parameters (every scheduled token passes every layer);
+V * H is the LM head, applied only to the sampled tokens (one per decode, one
+per prefill request). Attention over the context, 4 * context * H FLOPs per
+token and layer, is not counted: long contexts fall below the ceiling by that
+work as well as by its memory traffic.
+
+The ceiling is the best median GFLOP/s of torch.mm in each dtype with the
+same threads, at the model's MLP shape [T, H] x [H, I] for a few T (the weight
+transposed, as F.linear uses it) and at 2048^3. "ceil ms" is a step's FLOPs
+at that rate: its time if all its work were matmul at the machine's best.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import report
+from executor_svc.config import ExecutorConfig
+from executor_svc.kv_cache import GIB, bytes_per_block
+from executor_svc.model_loader import open_checkpoint
+from executor_svc.worker import Worker
+from shared.logging import configure_logging
+from shared.sampling_params import SamplingParams
+from shared.step_plan import NewRequestData, StepPlan
+
+SUITE = "forward_sweep"
+BLOCK_SIZE = 16
+WARMUP = 2
+GREEDY = SamplingParams(temperature=0.0)
+FIRST_TOKEN = 100  # SmolLM2's special tokens sit below this; synthetic text uses ordinary ones
+HEADERS = ["dtype", "sweep", "batch", "context", "tokens", "step ms", "fwd ms", "tok/s", "GFLOP/s", "ceil ms",
+           "of ceiling"]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.forward_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", type=ints, default=ints("1,2,4,8,16,32,64,128,256"),
+                   help="decodes per step in the batch sweep")
+    p.add_argument("--context", type=int, default=256, help="context of every decode in the batch sweep")
+    p.add_argument("--contexts", type=ints, default=ints("128,256,512,1024,2048"), help="the context sweep")
+    p.add_argument("--batch", type=int, default=64, help="decodes per step in the context sweep")
+    p.add_argument("--prefill-tokens", type=ints, default=ints("256"),
+                   help="new tokens per request in the prefill rows ('' for none)")
+    p.add_argument("--prefill-batch", type=int, default=8, help="requests in each prefill step")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
+    p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
+    p.add_argument("--kv-cache-gib", type=float, default=0,
+                   help="KV budget (0 = just what the largest row needs, computed per dtype)")
+    p.add_argument("--out-dir", type=Path, default=None, help=f"results folder (default {report.RESULTS_DIR})")
+    p.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    return p
+
+
+def sweep_rows(args) -> list[dict]:
+    """Every row to time; `new` is the scheduled tokens per request (1 for a decode)."""
+    rows = [dict(sweep="batch", batch=b, context=args.context, new=1) for b in args.batch_sizes]
+    rows += [dict(sweep="context", batch=args.batch, context=c, new=1) for c in args.contexts]
+    rows += [dict(sweep="prefill", batch=args.prefill_batch, context=n, new=n) for n in args.prefill_tokens]
+    if not rows or any(r["batch"] < 1 or r["context"] < 1 for r in rows) or args.rounds < 1:
+        raise ValueError("batch sizes, contexts and --rounds must be >= 1, and there must be at least one row")
+    return rows
+
+
+def blocks_per_request(context: int) -> int:
+    return -(-context // BLOCK_SIZE)
+
+
+def kv_gib_needed(config, dtype: torch.dtype, rows: list[dict]) -> float:
+    # + block 0 (reserved) + one more so float rounding of the GiB figure never loses a block.
+    blocks = max(r["batch"] * blocks_per_request(r["context"]) for r in rows) + 2
+    return blocks * bytes_per_block(config, BLOCK_SIZE, dtype) / GIB
+
+
+class TimedModel:
+    """Stands in for runner.model and times its forward call; everything else passes through."""
+
+    def __init__(self, model):
+        self.model, self.last_s = model, 0.0
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.model(*args)
+        self.last_s = time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def matmul_ceiling(dtype: torch.dtype, hidden: int, intermediate: int, rounds: int) -> dict:
+    """Median GFLOP/s of torch.mm per shape (M x K x N), and the best of them."""
+    shapes = [(t, hidden, intermediate) for t in (64, 256, 2048)] + [(2048, 2048, 2048)]
+    gen = torch.Generator().manual_seed(0)
+    gflops = {}
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        times = []
+        for i in range(WARMUP + rounds):
+            t0 = time.perf_counter()
+            torch.mm(x, w.t())
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+        gflops[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    return dict(gflops_by_shape=gflops, best_gflops=max(gflops.values()))
+
+
+def make_plan(step: int, row: dict, tokens: list[list[int]], finished: list[str]) -> StepPlan:
+    n_blocks = blocks_per_request(row["context"])
+    requests = [NewRequestData(f"s{step}-r{i}", tokens[i], row["context"], GREEDY,
+                               list(range(1 + i * n_blocks, 1 + (i + 1) * n_blocks)),
+                               row["context"] - row["new"], row["new"])
+                for i in range(row["batch"])]
+    return StepPlan(step, requests, finished_request_ids=finished)
+
+
+def time_row(worker: Worker, timed: TimedModel, row: dict, rounds: int, steps, gen) -> tuple[float, float]:
+    """Median (step seconds, forward seconds) over `rounds` steps after the warm-ups."""
+    runner = worker.runner
+    tokens = torch.randint(FIRST_TOKEN, worker.model_config.vocab_size, (row["batch"], row["context"]),
+                           generator=gen).tolist()
+    finished, step_s, fwd_s = [], [], []
+    for k in range(WARMUP + rounds):
+        plan = make_plan(next(steps), row, tokens, finished)
+        t0 = time.perf_counter()
+        result = runner.execute(plan)
+        elapsed = time.perf_counter() - t0
+        if result.error or len(result.sampled) != row["batch"]:
+            raise RuntimeError(f"step failed for {row}: {result.error or 'not every request sampled'}")
+        finished = [r.request_id for r in plan.new_requests]
+        if k >= WARMUP:
+            step_s.append(elapsed)
+            fwd_s.append(timed.last_s)
+    runner.reset()
+    return statistics.median(step_s), statistics.median(fwd_s)
+
+
+def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress) -> tuple[dict, dict, list[dict]]:
+    """(model facts, matmul ceiling, measured rows) for one dtype."""
+    config = open_checkpoint(args.model)[0].config
+    elem_dtype = getattr(torch, dtype_name)
+    gib = args.kv_cache_gib or kv_gib_needed(config, elem_dtype, rows)
+    worker = Worker(ExecutorConfig(model=args.model, dtype=dtype_name, kv_cache_gib=gib,
+                                   num_threads=args.num_threads))
+    too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
+    if too_long:
+        raise ValueError(f"contexts {too_long} exceed the model's {worker.max_model_len} positions")
+    max_tokens = max(r["batch"] * r["new"] for r in rows)
+    worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max_tokens,
+                     max_num_seqs=max(r["batch"] for r in rows))
+    timed = worker.runner.model = TimedModel(worker.runner.model)
+
+    cfg = worker.model_config
+    head = cfg.vocab_size * cfg.hidden_size
+    # The embedding is a lookup, and the LM head (tied or not) runs on sampled tokens only: count it apart.
+    body = sum(p.numel() for name, p in worker.model.named_parameters() if name not in ("embed_tokens", "lm_head"))
+    model = dict(name=cfg.model_name, non_embedding_params=body, head_params=head, hidden=cfg.hidden_size,
+                 vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, kv_cache_gib=round(gib, 4))
+    ceiling = matmul_ceiling(worker.dtype, cfg.hidden_size, cfg.intermediate_size, args.rounds)
+
+    out, steps, gen = [], itertools.count(1), torch.Generator().manual_seed(0)
+    for row in rows:
+        step_s, fwd_s = time_row(worker, timed, row, args.rounds, steps, gen)
+        tokens = row["batch"] * row["new"]
+        flops = 2 * (body * tokens + head * row["batch"])
+        ceil_s = flops / (ceiling["best_gflops"] * 1e9)
+        out.append(dict(row, dtype=dtype_name, tokens=tokens, step_ms=step_s * 1e3, forward_ms=fwd_s * 1e3,
+                        tokens_per_s=tokens / step_s, flops=flops, gflops=flops / step_s / 1e9,
+                        ceiling_ms=ceil_s * 1e3, fraction_of_ceiling=ceil_s / step_s))
+        progress.step()
+    del worker, timed
+    gc.collect()  # free this dtype's weights and KV before the next loads
+    return model, ceiling, out
+
+
+def chart(result: dict, path: Path) -> Path:
+    plt = report._pyplot()
+    panels = [("batch", "decodes per step", f"context {result['settings']['context']}"),
+              ("context", "context (tokens)", f"batch {result['settings']['batch']}")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = dict(zip(result["ceiling"], ["tab:blue", "tab:orange", "tab:green", "tab:purple"]))
+    for ax, (sweep, xlabel, fixed) in zip(axes, panels):
+        for dtype, color in colors.items():
+            rows = [r for r in result["rows"] if r["sweep"] == sweep and r["dtype"] == dtype]
+            if not rows:
+                continue
+            x = [r[sweep] for r in rows]
+            ax.plot(x, [r["step_ms"] for r in rows], marker="o", color=color, label=f"{dtype} step")
+            ax.plot(x, [r["ceiling_ms"] for r in rows], linestyle="--", marker="x", color=color,
+                    label=f"{dtype} matmul ceiling ({result['ceiling'][dtype]['best_gflops']:.0f} GFLOP/s)")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r[sweep] for r in result["rows"] if r["sweep"] == sweep})
+        ax.set_xticks(ticks, [str(t) for t in ticks])  # plain numbers, not powers of 2
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"decode step vs {sweep} ({fixed})", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    m = result["machine"]
+    fig.suptitle(f"{result['model']['name']} on CPU ({m['cpu_model']}, threads: {m['torch_threads']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    rows = sweep_rows(args)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    result = report.new_result(SUITE, argv)
+    result["command"] = "python -m bench.forward_sweep " + " ".join(argv)  # not a `python -m bench` suite
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    result["flops_formula"] = "2 * (non_embedding_params * tokens + vocab * hidden * sampled_tokens)"
+    result["ceiling"], result["rows"] = {}, []
+    progress = report.Progress(f"[{SUITE}]", len(rows) * len(dtypes))
+    for dtype_name in dtypes:
+        result["model"], result["ceiling"][dtype_name], measured = run_dtype(args, dtype_name, rows, progress)
+        result["rows"] += measured
+    result["machine"]["torch_threads"] = torch.get_num_threads()  # as the Worker set them, not as at the start
+
+    print(f"{result['model']['name']}: {result['model']['non_embedding_params'] / 1e6:.1f}M non-embedding "
+          f"params + {result['model']['head_params'] / 1e6:.1f}M LM head; threads {torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    for dtype, c in result["ceiling"].items():
+        shapes = ", ".join(f"{s} {g:.0f}" for s, g in c["gflops_by_shape"].items())
+        print(f"matmul ceiling {dtype}: {c['best_gflops']:.1f} GFLOP/s (torch.mm M x K x N: {shapes})")
+    print(report.format_table(HEADERS, [
+        [r["dtype"], r["sweep"], r["batch"], r["context"], r["tokens"], r["step_ms"], r["forward_ms"],
+         r["tokens_per_s"], r["gflops"], r["ceiling_ms"], r["fraction_of_ceiling"]] for r in result["rows"]]))
+    report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
+    return result
+
+
+if __name__ == "__main__":
+    configure_logging("warning")  # the runner logs every new request at debug level
+    main()
