@@ -56,6 +56,18 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _empty_linear(out_features: int, in_features: int, *, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """A [out, in] weight stored transposed (column-major).
+
+    F.linear(x, w) multiplies x by w.t(), which is then a contiguous [in, out]
+    matrix: MKL's float32 GEMM runs that layout 2-4x faster than the row-major
+    one for 8-63 rows (small decode batches) and as fast for larger ones
+    (docs/benchmarks.md, "Column-major weights"). Loading is unchanged: copy_
+    into a view writes through any strides.
+    """
+    return nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device).t(), requires_grad=False)
+
+
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """Raises ValueError unless `tp_size` splits the model into equal whole shares."""
     shares = {
@@ -146,13 +158,13 @@ class DecoderLayer(nn.Module):
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.input_norm = _empty_param(hidden, dtype=dtype, device=device)
         # Rows: [q heads | k heads | v heads]; one matmul instead of three.
-        self.qkv_weight = _empty_param(qkv_size, hidden, dtype=dtype, device=device)
+        self.qkv_weight = _empty_linear(qkv_size, hidden, dtype=dtype, device=device)
         self.qkv_bias = _empty_param(qkv_size, dtype=dtype, device=device) if config.attention_bias else None
-        self.o_weight = _empty_param(hidden, self.num_heads * self.head_dim, dtype=dtype, device=device)
+        self.o_weight = _empty_linear(hidden, self.num_heads * self.head_dim, dtype=dtype, device=device)
         self.post_norm = _empty_param(hidden, dtype=dtype, device=device)
         # Rows: [gate | up].
-        self.gate_up_weight = _empty_param(2 * inter, hidden, dtype=dtype, device=device)
-        self.down_weight = _empty_param(hidden, inter, dtype=dtype, device=device)
+        self.gate_up_weight = _empty_linear(2 * inter, hidden, dtype=dtype, device=device)
+        self.down_weight = _empty_linear(hidden, inter, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -211,8 +223,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else _empty_linear(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
+        # Tied embeddings share the embedding's row-major weight (row lookups
+        # need it), except on CPU, where load_weights adds a column-major copy
+        # for the head's faster GEMM: vocab x hidden more memory there. Not a
+        # parameter: state dicts keep the checkpoint's tensors only.
+        self._tied_head: torch.Tensor | None = None
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
@@ -240,8 +257,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        head = self.lm_head if self.lm_head is not None else self._tied_head
+        return F.linear(hidden, self.embed_tokens if head is None else head).float()
 
     @torch.no_grad()
     def load_weights(self, tensor: Callable[[str], torch.Tensor]) -> None:
@@ -272,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
         fill(self.norm, "model.norm.weight")
         if self.lm_head is not None:
             fill(self.lm_head, "lm_head.weight")
+        elif self.embed_tokens.device.type == "cpu":
+            self._tied_head = self.embed_tokens.t().contiguous().t()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             q_end = layer.num_heads * layer.head_dim
