@@ -32,7 +32,7 @@ work as well as by its memory traffic.
 
 The ceiling is the best median GFLOP/s of torch.mm in each dtype with the
 same threads, at the model's MLP shape [T, H] x [H, I] for a few T (the weight
-transposed, as F.linear uses it) and at 2048^3. "ceil ms" is a step's FLOPs
+a contiguous [in, out] matrix, as the model stores it) and at 2048^3. "ceil ms" is a step's FLOPs
 at that rate: its time if all its work were matmul at the machine's best.
 """
 from __future__ import annotations
@@ -135,11 +135,11 @@ def matmul_ceiling(dtype: torch.dtype, hidden: int, intermediate: int, rounds: i
     gflops = {}
     for m, k, n in shapes:
         x = torch.randn(m, k, generator=gen).to(dtype)
-        w = torch.randn(n, k, generator=gen).to(dtype)
+        w = torch.randn(k, n, generator=gen).to(dtype)
         times = []
         for i in range(WARMUP + rounds):
             t0 = time.perf_counter()
-            torch.mm(x, w.t())
+            torch.mm(x, w)
             if i >= WARMUP:
                 times.append(time.perf_counter() - t0)
         gflops[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9

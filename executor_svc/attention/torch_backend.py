@@ -18,7 +18,8 @@ as possible, and to touch no fresh memory:
       query [n, H, D] --view--> [n, KV, G, D]     K, V [n, KV, L, D]
 
 - Prefills and chunked prefills (>1 query token) run one SDPA each, with
-  enable_gqa and a causal mask shifted by the request's cached length.
+  enable_gqa and a causal mask shifted by the request's cached length (or,
+  with nothing cached, SDPA's is_causal, which skips the masked half).
 - K/V are gathered into a workspace the backend keeps across layers and
   steps: a fresh buffer per call costs more in page faults than the copy.
 
@@ -56,7 +57,10 @@ class _Prefill:
     start: int  # first query token
     end: int
     slots: torch.Tensor  # [seq_len] int64
-    mask: torch.Tensor  # [query_len, seq_len] bool, causal shifted by the cached length
+    # [query_len, seq_len] bool, causal shifted by the cached length; None for
+    # a prefill with nothing cached, where SDPA's own is_causal skips the
+    # masked-out half of the work instead of computing and discarding it.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -111,7 +115,8 @@ class TorchAttentionBackend:
             pos = torch.arange(seq_len, device=device)
             slots = tables[i, pos // bs] * bs + pos % bs
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            prefills.append(_Prefill(starts[i], starts[i + 1], slots, pos[None, :] <= query_pos[:, None]))
+            mask = None if q_len == seq_len else pos[None, :] <= query_pos[:, None]
+            prefills.append(_Prefill(starts[i], starts[i + 1], slots, mask))
 
         max_rows = max([g.slots.numel() for g in groups] + [p.slots.numel() for p in prefills] + [0])
         meta.extra[self.name] = _StepPlan(groups, prefills, max_rows)
@@ -157,7 +162,8 @@ class TorchAttentionBackend:
             k = k.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
             v = v.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
             q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                                               enable_gqa=True)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out
 
