@@ -9,7 +9,9 @@ sample, over the requests RUNNING at that moment:
     paged:      [tok tok tok tok | tok tok . . ]    allocated = kv_blocks x block_size
     reserve:    [tok tok tok tok | tok tok . . . . . . . . . . ]  prompt + max_tokens
     reserve max:[tok tok tok tok | tok tok . . . . . . . . . . . . . . . . ]  max_model_len
-                 ^ held = computed tokens (KV actually written)
+                 ^ held = computed tokens: KV written, or being written by the step
+                   in flight (the scheduler counts a step's tokens as computed
+                   when it schedules them, as vLLM does)
 
     waste = (slots allocated - tokens held) / slots allocated
 
@@ -43,6 +45,7 @@ def add_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                    help="the executor's --max-model-len (the reserve-max_model_len comparison uses it)")
     p.add_argument("--interval", type=float, default=0.05, help="seconds between status samples")
+    p.add_argument("--block-size", type=int, default=None, help="the scheduler's --block-size (its default if unset)")
 
 
 def sample_stats(status: pb.ServerStatus, max_tokens: dict[str, int], block_size: int,
@@ -97,7 +100,7 @@ def chart(result: dict, path) -> None:
 def main(args, argv: list[str]) -> dict:
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else DEFAULT_KV_GIB
     flags = EngineFlags(dtype=args.dtype, num_threads=args.num_threads, kv_cache_gib=kv_gib,
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, block_size=args.block_size)
     result = report.new_result(SUITE, argv)
     result["engine_flags"] = flags.as_dict()
     samples: list[dict] = []
