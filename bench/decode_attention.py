@@ -1,20 +1,26 @@
-"""One layer's decode attention: the native CPU kernel against plain torch.
+"""One layer's decode attention: the native CPU kernel (AVX-512 and portable builds) against plain torch.
 
-    .venv/bin/python bench/decode_attention.py [--threads 2] [--rounds 15]
+    .venv/bin/python bench/decode_attention.py [--threads 2] [--rounds 15] [--block-size 16]
 
-64 decodes at contexts 300-500 (SmolLM2's 9 heads / 3 KV heads, head_dim 64,
-block size 16), float32 and bfloat16; medians, both backends in one run.
+64 decodes at contexts 300-500 (SmolLM2's 9 heads / 3 KV heads, head_dim 64),
+float32 and bfloat16 KV; medians, every variant in one run, interleaved
+round by round so that load from other processes falls on all of them alike.
+"portable" is the plain-C build of the same kernel (-DPAGED_DECODE_GENERIC):
+the kernel CPUs without AVX-512 run, and the algorithm the AVX-512 path
+replaced. GB/s is the K/V bytes read per call over its median time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
 
 import torch
 
-from executor_svc.attention import get_backend
+from executor_svc.attention import get_backend, native_kernel
+from executor_svc.attention.cpu_backend import CpuAttentionBackend
 from executor_svc.attention.reference import make_batch
 
 
@@ -22,24 +28,32 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--block-size", type=int, default=16)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    backends = {"cpu": get_backend("cpu"), "portable": CpuAttentionBackend(native_kernel.load(portable=True)),
+                "torch": get_backend("torch")}
     rng = random.Random(0)
     for dtype in (torch.float32, torch.bfloat16):
         shapes = [(rng.randint(300, 500), 1) for _ in range(64)]
-        batch = make_batch(shapes, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=dtype, seed=1)
-        ms = {}
-        for name in ("cpu", "torch"):
-            backend = get_backend(name)
-            backend.prepare(batch.meta)
-            times = []
-            for _ in range(a.rounds):
+        batch = make_batch(shapes, block_size=a.block_size, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
+                           seed=1)
+        kv_bytes = 2 * sum(seq for seq, _ in shapes) * 3 * 64 * batch.k_cache.element_size()
+        times = {name: [] for name in backends}
+        # One metadata per backend: prepare() stashes its plan under the backend's name, and the cpu
+        # backend's prefill half is a torch backend, so shared metadata would mix their plans.
+        metas = {name: dataclasses.replace(batch.meta, extra={}) for name in backends}
+        for name, backend in backends.items():
+            backend.prepare(metas[name])
+        for _ in range(a.rounds):
+            for name, backend in backends.items():
                 t = time.perf_counter()
-                backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-                times.append(time.perf_counter() - t)
-            ms[name] = 1000 * statistics.median(times)
-        print(f"{str(dtype):15} threads={a.threads}  cpu {ms['cpu']:.2f} ms  torch {ms['torch']:.2f} ms  "
-              f"torch/cpu {ms['torch'] / ms['cpu']:.2f}x")
+                backend.forward(batch.query, batch.k_cache, batch.v_cache, metas[name], batch.scale)
+                times[name].append(time.perf_counter() - t)
+        ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+        cells = "  ".join(f"{name} {v:.2f} ms ({kv_bytes / v / 1e6:.1f} GB/s)" for name, v in ms.items())
+        print(f"{str(dtype):15} threads={a.threads} block={a.block_size}  {cells}  "
+              f"portable/cpu {ms['portable'] / ms['cpu']:.2f}x  torch/cpu {ms['torch'] / ms['cpu']:.2f}x")
 
 
 if __name__ == "__main__":
