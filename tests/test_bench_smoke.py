@@ -218,3 +218,17 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
     for row in r["rows"]:
         assert 0 < row["forward_ms"] <= row["step_ms"]
         assert row["fraction_of_ceiling"] == pytest.approx(row["ceiling_ms"] / row["step_ms"])
+
+
+def test_vllm_ratio_is_the_median_of_per_round_ratios():
+    from bench.throughput import _summarize
+
+    def r(tok_s):
+        return dict(requests_per_s=1.0, output_tokens_per_s=tok_s, total_tokens_per_s=3 * tok_s)
+
+    out = _summarize(dict(pagedserve_rounds=[r(100), r(150), r(90)], hf_rounds=[],
+                          vllm_rounds=[r(80), r(100), r(100)]))
+    assert out["ratio_vs_vllm_per_round"] == pytest.approx([1.25, 1.5, 0.9])
+    assert out["ratio_vs_vllm"] == pytest.approx(1.25) and out["vllm"]["output_tokens_per_s"] == 100
+    failed = _summarize(dict(pagedserve_rounds=[r(100)], hf_rounds=[], vllm_rounds=[dict(error="exit 1")]))
+    assert failed["vllm"] == {"error": "exit 1"} and "ratio_vs_vllm" not in failed
