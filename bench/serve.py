@@ -3,7 +3,8 @@
     python -m bench serve --rates 0.25,0.5,1 [--num-requests 32] [--ttft-slo 2 --tpot-slo 0.25] [--repeats 2]
 
 For each rate the same seeded requests are sent at seeded exponential gaps
-(mean 1/rate), against one engine kept up across rates. With `--repeats N`
+(mean 1/rate), against one engine kept up across rates; each pass changes the
+first prompt token, so no pass hits the prefix cache an earlier one filled. With `--repeats N`
 the whole sweep runs N times, rates interleaved round by round, and every
 reported number is its median over rounds: on a shared machine the load
 drifts over the minutes a sweep takes, and this spreads the drift over all
@@ -27,6 +28,7 @@ from bench.workloads import (
     check_fits,
     describe,
     poisson_arrivals,
+    with_distinct_first_token,
     workload_from_args,
 )
 from pagedserve_client import Client
@@ -119,9 +121,10 @@ def main(args, argv: list[str]) -> dict:
         rounds = []
         for r in range(args.repeats):
             per_rate = []
-            for rate in rates:
+            for i, rate in enumerate(rates):
                 progress = report.Progress(f"[{SUITE} round {r + 1}/{args.repeats} rate {rate:g}/s]", len(requests))
-                run = run_requests(target, requests, poisson_arrivals(len(requests), rate, args.seed), progress.step)
+                fresh = with_distinct_first_token(requests, 1 + r * len(rates) + i, int(info["vocab_size"]))
+                run = run_requests(target, fresh, poisson_arrivals(len(requests), rate, args.seed), progress.step)
                 per_rate.append(dict(rate=rate) | latency_summary(run, args.ttft_slo, args.tpot_slo))
             rounds.append(per_rate)
     result["rounds"] = rounds

@@ -6,10 +6,10 @@ Reports requests/s, output tokens/s and total (prompt + output) tokens/s. With
 `--baseline hf` the same requests also run through Hugging Face `generate` in
 static batches (bench/hf_baseline.py), and with `--vllm-python` through vLLM's
 CPU build (bench/vllm_baseline.py), in the same process run, on the same
-machine, at the same dtype. Systems never run at the same time: the engine
-sits idle (it waits on an event, burning no CPU) while a baseline runs, and
-rounds alternate PagedServe, baseline, PagedServe, ... so that load from other
-users of a shared machine falls on all of them alike. The headline is the
+machine, at the same dtype. Systems never run at the same time: each round
+starts a fresh engine (the same prompts again would otherwise hit the prefix
+cache the previous round filled), runs it, stops it, then runs the baselines,
+so that load from other users of a shared machine falls on all of them alike. The headline is the
 median over rounds of each round's PagedServe / best-HF ratio; with vLLM, a
 fresh vLLM process runs the requests once per round too, and its ratio is
 likewise the median of per-round ratios.
@@ -46,7 +46,8 @@ def measure_pagedserve(target: str, requests, label: str) -> dict:
     return dict(duration_s=run.duration_s, requests_per_s=len(requests) / run.duration_s,
                 output_tokens_per_s=run.output_tokens / run.duration_s,
                 total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.duration_s,
-                output_tokens=run.output_tokens, prompt_tokens=run.prompt_tokens)
+                output_tokens=run.output_tokens, prompt_tokens=run.prompt_tokens,
+                cached_prompt_tokens=sum(r.cached_prompt_tokens for r in run.records))
 
 
 def measure_hf(model, requests, batch_sizes: list[int], pad_token_id: int, label: str) -> list[dict]:
@@ -67,31 +68,35 @@ def run_dtype(args, flags: EngineFlags) -> dict:
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     out: dict = dict(dtype=flags.dtype, engine_flags=flags.as_dict(), pagedserve_rounds=[], hf_rounds=[],
                      vllm_rounds=[])
-    with running_engine(flags, args.target) as target:
-        info = model_info(target)
-        out["model_info"] = info
-        with Client(target) as c:
-            requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
-        check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
-        out["workload"] = describe(requests)
-        warm_up(target, int(info["vocab_size"]))
-        model = None
-        if args.baseline == "hf":
-            # The dtype the server reports, so a --target engine is matched too.
-            print(f"[{SUITE}] loading the HF baseline ({info['dtype']})", file=sys.stderr)
-            model = hf_baseline.load_model(info["dtype"])
-            if flags.num_threads:
-                torch.set_num_threads(flags.num_threads)  # the executor gets the same --num-threads
-        for r in range(args.repeats):
-            label = f"[{SUITE} {flags.dtype} round {r + 1}/{args.repeats}]"
+    model, requests = None, None
+    for r in range(args.repeats):
+        label = f"[{SUITE} {flags.dtype} round {r + 1}/{args.repeats}]"
+        # A fresh engine per round: the same prompts again would hit the prefix cache the previous
+        # round left behind, which no baseline has. (A --target engine cannot be restarted: its
+        # rounds after the first report their cache hits in cached_prompt_tokens.)
+        with running_engine(flags, args.target) as target:
+            if requests is None:
+                info = model_info(target)
+                out["model_info"] = info
+                with Client(target) as c:
+                    requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
+                check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
+                out["workload"] = describe(requests)
+            warm_up(target, int(info["vocab_size"]))
             out["pagedserve_rounds"].append(measure_pagedserve(target, requests, f"{label} pagedserve"))
-            if model is not None:
-                out["hf_rounds"].append(measure_hf(model, requests, batch_sizes, int(info["eos_token_ids"][0]), label))
-            if args.vllm_python:
-                # A fresh vLLM process per round (its start-up is not timed); the idle engine uses no CPU meanwhile.
-                out["vllm_rounds"].append(vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model,
-                                                            flags.num_threads))
-        del model
+        if args.baseline == "hf":
+            if model is None:
+                # The dtype the server reports, so a --target engine is matched too.
+                print(f"[{SUITE}] loading the HF baseline ({info['dtype']})", file=sys.stderr)
+                model = hf_baseline.load_model(info["dtype"])
+                if flags.num_threads:
+                    torch.set_num_threads(flags.num_threads)  # the executor gets the same --num-threads
+            out["hf_rounds"].append(measure_hf(model, requests, batch_sizes, int(info["eos_token_ids"][0]), label))
+        if args.vllm_python:
+            # A fresh vLLM process per round too (its start-up is not timed).
+            out["vllm_rounds"].append(vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model,
+                                                        flags.num_threads))
+    del model
     return _summarize(out)
 
 

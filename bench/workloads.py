@@ -10,6 +10,7 @@ compared on identical requests.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -52,6 +53,18 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_ORDINARY_TOKEN_ID, vocab_size) for _ in range(length)]
+
+
+def with_distinct_first_token(requests: list[BenchRequest], k: int, vocab_size: int) -> list[BenchRequest]:
+    """Copies whose prompts start with a token id unique to pass k.
+
+    Block hashes chain from the first block, so pass k shares no cached
+    prefix with the passes before it: repeating a workload against one
+    engine must not turn later passes into prefix-cache hits. Lengths, and
+    so the work, stay the same.
+    """
+    token = FIRST_ORDINARY_TOKEN_ID + k % (vocab_size - FIRST_ORDINARY_TOKEN_ID)
+    return [dataclasses.replace(r, prompt_token_ids=[token, *r.prompt_token_ids[1:]]) for r in requests]
 
 
 def uniform_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],

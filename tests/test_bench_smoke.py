@@ -232,3 +232,14 @@ def test_vllm_ratio_is_the_median_of_per_round_ratios():
     assert out["ratio_vs_vllm"] == pytest.approx(1.25) and out["vllm"]["output_tokens_per_s"] == 100
     failed = _summarize(dict(pagedserve_rounds=[r(100)], hf_rounds=[], vllm_rounds=[dict(error="exit 1")]))
     assert failed["vllm"] == {"error": "exit 1"} and "ratio_vs_vllm" not in failed
+
+
+def test_each_pass_gets_a_distinct_first_token_and_the_same_work():
+    from bench.workloads import with_distinct_first_token
+
+    reqs = uniform_workload(4, (5, 9), (1, 3), 300, seed=1)
+    a, b = with_distinct_first_token(reqs, 1, 300), with_distinct_first_token(reqs, 2, 300)
+    assert {r.prompt_token_ids[0] for r in a} != {r.prompt_token_ids[0] for r in b}
+    for x, y, orig in zip(a, b, reqs):
+        assert x.prompt_token_ids[1:] == y.prompt_token_ids[1:] == orig.prompt_token_ids[1:]
+        assert len(x.prompt_token_ids) == len(orig.prompt_token_ids) and x.max_tokens == orig.max_tokens
