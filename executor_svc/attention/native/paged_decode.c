@@ -281,6 +281,8 @@ static decode_fn fast_path(int group, int head_dim, int bf16) {
     return DECODE_FNS[group - 1][head_dim == 128][bf16 != 0];
 }
 
+#endif /* AVX-512 */
+
 int paged_decode_attention(
     float *out, int64_t out_tok_stride, int64_t out_head_stride,
     const float *q, int64_t q_tok_stride, int64_t q_head_stride,
@@ -291,39 +293,24 @@ int paged_decode_attention(
     int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
     float scale, int num_threads)
 {
+#if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
     const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, cache_bf16);
-    if (fn == NULL)
-        return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache,
-                              v_cache, cache_bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows,
-                              seq_index, num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_seq_len,
-                              scale, num_threads);
-    const int64_t row_len = (int64_t)num_kv_heads * head_dim;
-    /* Work item = (decode, KV head): a single long decode still uses every thread. */
+    if (fn != NULL) {
+        const int64_t row_len = (int64_t)num_kv_heads * head_dim;
+        /* Work item = (decode, KV head): a single long decode still uses every thread. */
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < (int64_t)num_decodes * num_kv_heads; item++) {
-        const int i = (int)(item / num_kv_heads), kv = (int)(item % num_kv_heads), r = seq_index[i];
-        fn(out + out_rows[i] * out_tok_stride, out_head_stride, q + tokens[i] * q_tok_stride, q_head_stride,
-           k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r], block_size,
-           row_len, kv, scale);
+        for (int64_t item = 0; item < (int64_t)num_decodes * num_kv_heads; item++) {
+            const int i = (int)(item / num_kv_heads), kv = (int)(item % num_kv_heads), r = seq_index[i];
+            fn(out + out_rows[i] * out_tok_stride, out_head_stride, q + tokens[i] * q_tok_stride, q_head_stride,
+               k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r], block_size,
+               row_len, kv, scale);
+        }
+        return 0;
     }
-    return 0;
-}
-
-#else /* no AVX-512: the portable kernel serves every shape */
-
-int paged_decode_attention(
-    float *out, int64_t out_tok_stride, int64_t out_head_stride,
-    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
-    const void *k_cache, const void *v_cache, int cache_bf16,
-    const int32_t *block_tables, int64_t block_table_stride,
-    const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,
-    int num_decodes,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
-    float scale, int num_threads)
-{
+#endif
+    /* No AVX-512, or a shape the fast path has no instance for. */
     return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache, v_cache,
                           cache_bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows, seq_index,
                           num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale,
                           num_threads);
 }
-#endif
