@@ -96,7 +96,7 @@ def profile_run(model, block_size: int, kv_dtype: torch.dtype, max_num_batched_t
             block_ids = list(range(next_block, next_block + num_blocks))
             batch.append((RequestState(f"profile-{i}", token_ids, n, params[i], block_ids, 0), n))
             next_block += num_blocks
-        input_ids, positions, meta, cu = runner._prepare_inputs(batch)
+        input_ids, positions, meta, cu = runner.prepare_inputs(batch)
         model.attn_backend.prepare(meta)
         hidden = model(input_ids, positions, kv_caches, meta)
         if tp is None or tp.is_driver:

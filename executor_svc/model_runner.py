@@ -134,7 +134,8 @@ class ModelRunner:
                 raise PlanError(f"request {state.request_id!r}: block id out of range 1..{self.num_blocks - 1}")
         return batch
 
-    def _prepare_inputs(self, batch: list[tuple[RequestState, int]]):
+    def prepare_inputs(self, batch: list[tuple[RequestState, int]]):
+        """The step's packed inputs for (state, num_scheduled) pairs: ids, positions, attention metadata, cu_seqlens."""
         bs = self.block_size
         query_lens = np.array([n for _, n in batch], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s, _ in batch], dtype=np.int64)
@@ -177,7 +178,7 @@ class ModelRunner:
         with tp.agreed("preparing the step") if tp else contextlib.nullcontext():
             batch = self._apply_plan(plan)
             if batch:
-                input_ids, positions, meta, cu = self._prepare_inputs(batch)
+                input_ids, positions, meta, cu = self.prepare_inputs(batch)
                 self.attn_backend.prepare(meta)
         if not batch:
             return result
