@@ -15,6 +15,18 @@ def embedded_model_dir() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests: the machine is shared, and a second
+    BLAS thread mostly waits on other processes."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """(model, tokenizer) from transformers' own GGUF loader, float32: the reference."""

@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from model_utils import save_tiny_hf_model
+from model_utils import save_tiny_model_with_tokenizer
 
 from executor_svc import memory_profile
 from executor_svc.config import ExecutorConfig
@@ -24,26 +24,14 @@ BLOCK_SIZE = 16
 MAX_TOKENS, MAX_SEQS = 2048, 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The machine is shared; a second BLAS thread mostly waits on other processes.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A random 2-layer Qwen2 (max_model_len 256) with a word-level tokenizer, as a Worker loads it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     folder = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    hf = save_tiny_hf_model("qwen2", folder)
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf.config.vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token="t2").save_pretrained(folder)
+    save_tiny_model_with_tokenizer(folder)
     return folder
 
 

@@ -26,13 +26,7 @@ NUM_NEW = 20
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The machine is shared; a second BLAS thread mostly waits on other processes.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_top5_close(ours: torch.Tensor, ref: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from model_utils import DenseAttentionBackend, save_tiny_hf_model
+from model_utils import DenseAttentionBackend, save_tiny_model_with_tokenizer
 
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
@@ -30,14 +30,8 @@ PROMPTS.append(PROMPTS[3][:32] + [11, 12, 13])
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     folder = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    hf = save_tiny_hf_model("qwen2", folder)
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf.config.vocab_size)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token="t2").save_pretrained(folder)
+    save_tiny_model_with_tokenizer(folder)
     return folder
 
 
