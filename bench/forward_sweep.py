@@ -83,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-batch", type=int, default=8, help="requests in each prefill step")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--cpu-gemm", default="auto", choices=("auto", "native", "torch"),
+                   help="the executor's --cpu-gemm (native: packed AVX-512 kernel; torch: MKL)")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
     p.add_argument("--kv-cache-gib", type=float, default=0,
@@ -182,7 +184,8 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
     elem_dtype = getattr(torch, dtype_name)
     gib = args.kv_cache_gib or kv_gib_needed(config, elem_dtype, rows)
     worker = Worker(ExecutorConfig(model=args.model, dtype=dtype_name, kv_cache_gib=gib,
-                                   num_threads=args.num_threads))
+                                   num_threads=args.num_threads,
+                                   cpu_gemm=args.cpu_gemm if dtype_name == "float32" else "auto"))
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
     if too_long:
         raise ValueError(f"contexts {too_long} exceed the model's {worker.max_model_len} positions")

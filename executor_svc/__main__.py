@@ -37,7 +37,8 @@ async def serve_worker(config, tp) -> int:
 
     worker = Worker(config, tp)
     log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype), device=worker.device.type,
-             attention_backend=worker.attn_backend.name, tensor_parallel_size=config.tensor_parallel_size)
+             attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
+             tensor_parallel_size=config.tensor_parallel_size)
     metrics = ExecutorMetrics()
     if config.metrics_listen:
         serve_metrics(config.metrics_listen, metrics.registry)

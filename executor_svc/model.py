@@ -48,6 +48,7 @@ from torch import nn
 
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
+from executor_svc.packed_linear import linear, pack
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -165,6 +166,9 @@ class DecoderLayer(nn.Module):
         # Rows: [gate | up].
         self.gate_up_weight = _empty_linear(2 * inter, hidden, dtype=dtype, device=device)
         self.down_weight = _empty_linear(hidden, inter, dtype=dtype, device=device)
+        # Packed copies for the native CPU GEMM, by weight name ("qkv", "o",
+        # "gate_up", "down"); empty unless pack_linear_weights() ran.
+        self.packed: dict[str, torch.Tensor] = {}
 
     def forward(
         self,
@@ -176,7 +180,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
-        qkv = F.linear(rms_norm(h, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         qkv = qkv.view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
         # q and k rotate together: one set of rope kernels for both.
         qk = apply_rope(qkv[:, :qk_heads], cos, sin_signed)
@@ -184,11 +188,11 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         self.attn_backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
-        h = h + self._reduce(F.linear(attn.reshape(num_tokens, -1), self.o_weight))
+        h = h + self._reduce(linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
-        gate_up = F.linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight)
+        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, None, self.packed.get("gate_up"))
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        return h + self._reduce(linear(F.silu(gate) * up, self.down_weight, None, self.packed.get("down")))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""
@@ -230,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         # for the head's faster GEMM: vocab x hidden more memory there. Not a
         # parameter: state dicts keep the checkpoint's tensors only.
         self._tied_head: torch.Tensor | None = None
+        self._head_packed: torch.Tensor | None = None  # pack_linear_weights()
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
@@ -258,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
         head = self.lm_head if self.lm_head is not None else self._tied_head
-        return F.linear(hidden, self.embed_tokens if head is None else head).float()
+        return linear(hidden, self.embed_tokens if head is None else head, None, self._head_packed).float()
 
     @torch.no_grad()
     def load_weights(self, tensor: Callable[[str], torch.Tensor]) -> None:
@@ -309,3 +314,15 @@ class LlamaForCausalLM(nn.Module):
             fill(layer.gate_up_weight[:inter], p + "mlp.gate_proj.weight", split=0)
             fill(layer.gate_up_weight[inter:], p + "mlp.up_proj.weight", split=0)
             fill(layer.down_weight, p + "mlp.down_proj.weight", split=1)
+
+    @torch.no_grad()
+    def pack_linear_weights(self) -> None:
+        """Adds the native CPU GEMM's packed copy of every linear weight and of
+        the head (packed_linear.py), after load_weights, on float32 CPU models
+        where the kernel was built. It doubles the linear weights' memory."""
+        assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32, (
+            f"packing needs a float32 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
+        )
+        for layer in self.layers:
+            layer.packed = {name: pack(getattr(layer, f"{name}_weight")) for name in ("qkv", "o", "gate_up", "down")}
+        self._head_packed = pack(self.embed_tokens if self.lm_head is None else self.lm_head)

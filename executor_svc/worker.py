@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from executor_svc import packed_linear
 from executor_svc.attention import get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -67,6 +68,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py)."""
+    if name == "torch" or device.type != "cpu":
+        return False
+    possible = dtype == torch.float32 and packed_linear.kernel() is not None
+    if name == "native" and not possible:
+        raise ValueError(
+            "--cpu-gemm native needs float32 weights and an x86 CPU with AVX-512 plus a C compiler; "
+            f"this executor has {dtype} and the kernel is {'built' if packed_linear.kernel() else 'unavailable'}"
+        )
+    return possible
+
+
 class Worker:
     def __init__(self, config: ExecutorConfig, tp: TPGroup | None = None):
         self.config = config
@@ -85,8 +99,10 @@ class Worker:
             # Ranks on one host share its cores: by default each takes an equal
             # share, since oversubscribed OpenMP threads spin against each other.
             torch.set_num_threads(config.num_threads or max(1, torch.get_num_threads() // self.tp_size))
+        self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype)
         loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
-                            tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver)
+                            tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver,
+                            packed_gemm=self.packed_gemm)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc import packed_linear
 from executor_svc.model_loader import load_model
 from model_utils import (
     PagedEngine,
@@ -127,6 +128,19 @@ def test_smollm2_chunked_prefill_and_prefix_hit_match_hf(smol, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+def test_smollm2_packed_gemm_matches_hf(smol):
+    """The serving default on AVX-512 CPUs: linear layers through the packed kernel."""
+    ours, _, prompts, references = smol
+    model = same_weights(ours, make_backend("cpu"))
+    model.pack_linear_weights()
+    outs, first = greedy_batched(PagedEngine(model, num_blocks=32, block_size=16), prompts, NUM_NEW)
+    for out, (ref, ref_first, _), row in zip(outs, references, first):
+        assert out == ref
+        assert_top5_close(row, ref_first)
+
+
+@pytest.mark.slow
 def test_smollm2_bfloat16_runs_and_starts_like_float32(smol):
     ours, _, prompts, _ = smol
     num_new = 8
@@ -183,3 +197,19 @@ def test_tiny_model_greedy_matches_hf(tiny, kind, backend):
     engine = PagedEngine(same_weights(ours, make_backend(backend)), num_blocks=40, block_size=4)
     outs, c_prompt = greedy_chunked_with_prefix_hit(engine, a, b, c_suffix, num_new)
     assert outs == [hf_greedy(hf_model, p, num_new)[0] for p in (a, b, c_prompt)]
+
+
+@pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "llama_tied"])
+def test_tiny_model_packed_gemm_matches_hf(tiny, kind):
+    """Packed linear layers: untied head, qkv bias, tied head."""
+    hf_model, folder = tiny(kind)
+    ours = load_hf_folder(folder, make_backend("cpu"))
+    ours.pack_linear_weights()
+    prompts = _random_prompts(ours.config.vocab_size, [5, 11, 23], seed=3)
+    num_new = 12
+    outs, first = greedy_batched(PagedEngine(ours, num_blocks=40, block_size=4), prompts, num_new)
+    for prompt, out, row in zip(prompts, outs, first):
+        ref, ref_first, _ = hf_greedy(hf_model, prompt, num_new)
+        assert out == ref
+        assert_top5_close(row, ref_first)

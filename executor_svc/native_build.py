@@ -1,0 +1,66 @@
+"""Compiles a native C source with the system compiler and loads it via ctypes.
+
+Each library is built once per source version, flags and CPU (-march=native)
+into a `build/` folder beside its source (or the temp dir when that is read
+only) and reused; ctypes releases the GIL for every call. `load_library`
+returns None when there is no compiler or the build fails, and the caller
+falls back to plain torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import structlog
+
+log = structlog.get_logger(__name__)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build_dir(source: str) -> str:
+    here = os.path.join(os.path.dirname(source), "build")
+    try:
+        os.makedirs(here, exist_ok=True)
+        if os.access(here, os.W_OK):
+            return here
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), "pagedserve-native")
+
+
+def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `source` as a loaded library, or None if it cannot be built here."""
+    flags = [*FLAGS, *extra_flags]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("native_build_unavailable", source=stem, reason="no C compiler on PATH")
+        return None
+    with open(source, "rb") as f:
+        code = f.read()
+    key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    folder = _build_dir(source)
+    os.makedirs(folder, exist_ok=True)
+    lib_path = os.path.join(folder, f"{stem}-{key}.so")
+    if not os.path.exists(lib_path):
+        tmp = f"{lib_path}.{os.getpid()}.tmp"
+        done = subprocess.run([compiler, *flags, source, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("native_build_unavailable", source=stem, reason="compile failed", stderr=done.stderr[-2000:])
+            return None
+        os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
+    return ctypes.CDLL(lib_path)
