@@ -330,6 +330,23 @@ def test_cpu_backend_long_peaked_decodes_match_reference(dtype):
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
+@pytest.mark.parametrize("num_decodes", [1, 2, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_backend_decode_work_splits_match_reference(num_decodes, threads):
+    """The AVX-512 kernel gives each thread whole decodes (all KV heads) when
+    there are at least two decodes per thread, else (decode, KV head) items:
+    both splits must give the reference answer."""
+    shapes = [(37 + 61 * i, 1) for i in range(num_decodes)]
+    batch = make_batch(shapes, block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.float32,
+                       seed=num_decodes * 10 + threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_reference(run_step(cpu_backend(), batch), batch)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
     batch = make_batch([(0, 5), (13, 1), (9, 3), (40, 1)], block_size=8, num_kv_heads=1, group=3, head_dim=64,
                        dtype=torch.float32, seed=22)

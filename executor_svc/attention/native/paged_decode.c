@@ -14,8 +14,9 @@
  *
  * Two implementations behind one entry point:
  *  - AVX-512 (head_dim 64 or 128, up to 8 query heads per KV head): work item
- *    = (decode, KV head); one pass over the history with an online softmax,
- *    16 tokens at a time, accumulators in registers (decode_heads below).
+ *    = (decode, all its KV heads), or (decode, KV head) when there are too
+ *    few decodes to share out; one pass over the history with an online
+ *    softmax, 16 tokens at a time, accumulators in registers (decode_heads).
  *  - portable C (any other shape or CPU; -DPAGED_DECODE_GENERIC forces it, so
  *    tests can check it on AVX-512 machines too): work item = one decode, all
  *    heads; each token's K/V row is loaded once and serves every query head
@@ -127,6 +128,7 @@ static int decode_generic(
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
 #include <immintrin.h>
 
+#define MAX_ITEM_HEADS 64 /* query heads one work item may cover */
 #define CHUNK 16 /* tokens scored together: one zmm of scores per head */
 
 /* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by its
@@ -170,90 +172,128 @@ static inline __m512 sum16(__m512 v[16]) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
 }
 
-/* One decode's attention for the G query heads of KV head `kv`, in one pass
- * over its history with an online softmax (running max m, sum l):
+/* Element offsets of the rows (all KV heads) of tokens t0 .. t0+15, walking
+ * the block table with a running (block, offset) instead of a division per
+ * token. Past `len`, entries repeat the chunk's first row (scored, then
+ * masked out). Returns how many tokens are real. */
+static inline int chunk_rows(int64_t *rows, const int32_t *table, int t0, int len, int block_size, int64_t row_len)
+{
+    const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
+    int b = t0 / block_size, off = t0 - b * block_size;
+    int64_t base = (int64_t)table[b] * block_size;
+    for (int j = 0; j < n; j++) {
+        rows[j] = (base + off) * row_len;
+        if (++off == block_size && j + 1 < n) {
+            off = 0;
+            base = (int64_t)table[++b] * block_size;
+        }
+    }
+    for (int j = n; j < CHUNK; j++)
+        rows[j] = rows[0];
+    return n;
+}
+
+/* One decode's attention for the query heads of KV heads kv_first ..
+ * kv_first + kv_count - 1 (G per KV head), in one pass over its history with
+ * an online softmax (running max m, sum l):
  *
  *   per chunk of 16 tokens:  s = q.K  ->  m' = max(m, max s),  p = e^(s - m')
  *                            acc = acc * e^(m - m') + p.V,  l = l * e^(m - m') + sum p
  *   out = acc / l
  *
  * G and NC (= head_dim / 16) are compile-time constants in each instance, so
- * the accumulators stay in registers. A chunk's 16 rows may span blocks:
- * rows[] holds each token's offset, resolved through the block table. */
+ * one KV head's accumulators stay in registers. Within a chunk the KV heads
+ * are visited in turn, so each token's K and V rows are read whole, front to
+ * back. A chunk's 16 rows may span blocks: rows[] holds each token's row
+ * offset, resolved through the block table. */
 static inline __attribute__((always_inline)) void decode_heads(
     const int G, const int NC, const int bf16, float *out, int64_t out_head_stride, const float *q, int64_t q_head_stride,
     const void *k_cache, const void *v_cache, const int32_t *table, int len, int block_size,
-    int64_t row_len, int kv, float scale)
+    int64_t row_len, int kv_first, int kv_count, float scale)
 {
-    /* Sized for the largest instance; constant G and NC let the compiler keep
-     * the used part of acc in registers. */
-    float qs[8][128], p[8][CHUNK], m[8], l[8];
-    __m512 acc[8][8];
-    for (int h = 0; h < G; h++) {
-        const float *src = q + (int64_t)(kv * G + h) * q_head_stride;
-        for (int d = 0; d < NC * 16; d++) qs[h][d] = src[d] * scale;
-        for (int c = 0; c < NC; c++) acc[h][c] = _mm512_setzero_ps();
-        m[h] = -INFINITY;
-        l[h] = 0.f;
+    /* Query head hh = kv * G + h of this item (kv counted from kv_first). The
+     * accumulators of the KV head being processed live in registers; between
+     * KV heads they wait in acc_mem (L1). */
+    float qs[MAX_ITEM_HEADS][128], p[8][CHUNK], m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    __m512 acc_mem[MAX_ITEM_HEADS][8];
+    for (int hh = 0; hh < kv_count * G; hh++) {
+        const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
+        for (int d = 0; d < NC * 16; d++) qs[hh][d] = src[d] * scale;
+        for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
+        m[hh] = -INFINITY;
+        l[hh] = 0.f;
     }
-    int64_t rows[CHUNK];
+    const int esz = bf16 ? 2 : 4;
+    const int64_t first_off = (int64_t)kv_first * NC * 16;
+    int64_t rows_a[CHUNK], rows_b[CHUNK], *rows = rows_a, *next = rows_b;
+    chunk_rows(rows, table, 0, len, block_size, row_len);
     for (int t0 = 0; t0 < len; t0 += CHUNK) {
         const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        for (int j = 0; j < CHUNK; j++) {
-            /* Past the end, rows repeat the chunk's first token: scored, then masked out.
-             * A full-width loop unrolls, keeping part[] in registers. */
-            const int t = t0 + (j < n ? j : 0);
-            rows[j] = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_len + (int64_t)kv * NC * 16;
+        /* Prefetch the next chunk's K and V rows: they are in another block,
+         * which the hardware prefetcher cannot predict. Into L1 (T0): measured
+         * 1.15x faster than into L2 (T1) over 30 cold layers. */
+        if (t0 + CHUNK < len) {
+            const int n_next = chunk_rows(next, table, t0 + CHUNK, len, block_size, row_len);
+            for (int j = 0; j < n_next; j++)
+                for (int b = 0; b < kv_count * NC * 16 * esz; b += 64) {
+                    _mm_prefetch((const char *)k_cache + (next[j] + first_off) * esz + b, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v_cache + (next[j] + first_off) * esz + b, _MM_HINT_T0);
+                }
         }
-        /* Prefetch the next chunk's K and V rows into L2: one core's own misses
-         * (a dozen line-fill buffers) cannot keep enough reads in flight to
-         * stream memory, and the next rows are in another block the hardware
-         * prefetcher cannot predict. */
-        for (int t = t0 + CHUNK; t < len && t < t0 + 2 * CHUNK; t++) {
-            const int64_t row = ((int64_t)table[t / block_size] * block_size + t % block_size) * row_len + (int64_t)kv * NC * 16;
-            for (int b = 0; b < NC * 16 * (bf16 ? 2 : 4); b += 64) {
-                _mm_prefetch((const char *)k_cache + row * (bf16 ? 2 : 4) + b, _MM_HINT_T1);
-                _mm_prefetch((const char *)v_cache + row * (bf16 ? 2 : 4) + b, _MM_HINT_T1);
-            }
-        }
+        for (int kv = 0; kv < kv_count; kv++) {
+            const int64_t off = first_off + (int64_t)kv * NC * 16;
+            __m512 acc[8][8];
 #pragma GCC unroll 8
-        for (int h = 0; h < G; h++) {
-            __m512 part[CHUNK];
+            for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NC; c++) acc[h][c] = acc_mem[kv * G + h][c];
+#pragma GCC unroll 8
+            for (int h = 0; h < G; h++) {
+                const int hh = kv * G + h;
+                __m512 part[CHUNK];
 #pragma GCC unroll 16
-            for (int j = 0; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
+                for (int j = 0; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-            for (int c = 0; c < NC; c++) {
-                const __m512 qc = _mm512_loadu_ps(qs[h] + 16 * c);
+                for (int c = 0; c < NC; c++) {
+                    const __m512 qc = _mm512_loadu_ps(qs[hh] + 16 * c);
 #pragma GCC unroll 16
-                for (int j = 0; j < CHUNK; j++)
-                    part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + 16 * c, bf16), part[j]);
+                    for (int j = 0; j < CHUNK; j++)
+                        part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + off + 16 * c, bf16), part[j]);
+                }
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
+                const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[hh] ? s_max : m[hh];
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                /* The vector exp, not expf: a libm call would spill every accumulator.
+                 * On the first chunk m = -inf and alpha ~ 1e-38 scales zeros. */
+                const __m512 alpha = exp512(_mm512_set1_ps(m[hh] - m_new));
+                l[hh] = l[hh] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(e);
+                m[hh] = m_new;
+                _mm512_storeu_ps(p[h], e);
+#pragma GCC unroll 8
+                for (int c = 0; c < NC; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], alpha);
             }
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
-            const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[h] ? s_max : m[h];
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-            /* The vector exp, not expf: a libm call would spill every accumulator.
-             * On the first chunk m = -inf and alpha ~ 1e-38 scales zeros. */
-            const __m512 alpha = exp512(_mm512_set1_ps(m[h] - m_new));
-            l[h] = l[h] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(e);
-            m[h] = m_new;
-            _mm512_storeu_ps(p[h], e);
+            for (int j = 0; j < n; j++) {
 #pragma GCC unroll 8
-            for (int c = 0; c < NC; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], alpha);
-        }
-        for (int j = 0; j < n; j++) {
+                for (int c = 0; c < NC; c++) {
+                    const __m512 v = load16(v_cache, rows[j] + off + 16 * c, bf16);
 #pragma GCC unroll 8
-            for (int c = 0; c < NC; c++) {
-                const __m512 v = load16(v_cache, rows[j] + 16 * c, bf16);
-#pragma GCC unroll 8
-                for (int h = 0; h < G; h++) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), v, acc[h][c]);
+                    for (int h = 0; h < G; h++) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), v, acc[h][c]);
+                }
             }
+#pragma GCC unroll 8
+            for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NC; c++) acc_mem[kv * G + h][c] = acc[h][c];
         }
+        int64_t *swap = rows;
+        rows = next;
+        next = swap;
     }
-    for (int h = 0; h < G; h++) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
-        float *dst = out + (int64_t)(kv * G + h) * out_head_stride;
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+    for (int hh = 0; hh < kv_count * G; hh++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
+        float *dst = out + (int64_t)(kv_first * G + hh) * out_head_stride;
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc_mem[hh][c], inv));
     }
 }
 
@@ -261,8 +301,8 @@ static inline __attribute__((always_inline)) void decode_heads(
 #define DECODE_INSTANCE(G, NC, BF)                                                                          \
     static void decode_##G##_##NC##_##BF(float *o, int64_t os, const float *q, int64_t qs, const void *k,  \
                                          const void *v, const int32_t *t, int len, int bs, int64_t rl,     \
-                                         int kv, float sc) {                                               \
-        decode_heads(G, NC, BF, o, os, q, qs, k, v, t, len, bs, rl, kv, sc);                               \
+                                         int kv, int nkv, float sc) {                                      \
+        decode_heads(G, NC, BF, o, os, q, qs, k, v, t, len, bs, rl, kv, nkv, sc);                          \
     }
 #define DECODE_INSTANCES(G) \
     DECODE_INSTANCE(G, 4, 0) DECODE_INSTANCE(G, 8, 0) DECODE_INSTANCE(G, 4, 1) DECODE_INSTANCE(G, 8, 1)
@@ -270,7 +310,7 @@ DECODE_INSTANCES(1) DECODE_INSTANCES(2) DECODE_INSTANCES(3) DECODE_INSTANCES(4)
 DECODE_INSTANCES(5) DECODE_INSTANCES(6) DECODE_INSTANCES(7) DECODE_INSTANCES(8)
 
 typedef void (*decode_fn)(float *, int64_t, const float *, int64_t, const void *, const void *,
-                          const int32_t *, int, int, int64_t, int, float);
+                          const int32_t *, int, int, int64_t, int, int, float);
 #define GROUP(G) {{decode_##G##_4_0, decode_##G##_4_1}, {decode_##G##_8_0, decode_##G##_8_1}}
 static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROUP(4),
                                               GROUP(5), GROUP(6), GROUP(7), GROUP(8)};
@@ -297,13 +337,18 @@ int paged_decode_attention(
     const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, cache_bf16);
     if (fn != NULL) {
         const int64_t row_len = (int64_t)num_kv_heads * head_dim;
-        /* Work item = (decode, KV head): a single long decode still uses every thread. */
+        /* Work item = (decode, all its KV heads) when there are enough decodes
+         * to share out: each token's row is then read whole, front to back,
+         * which the hardware prefetcher streams. Few decodes: (decode, KV
+         * head), so that a single long decode still uses every thread. */
+        const int per_item = num_decodes >= 2 * num_threads && num_heads <= MAX_ITEM_HEADS ? num_kv_heads : 1;
+        const int items_per_decode = num_kv_heads / per_item;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)num_decodes * num_kv_heads; item++) {
-            const int i = (int)(item / num_kv_heads), kv = (int)(item % num_kv_heads), r = seq_index[i];
+        for (int64_t item = 0; item < (int64_t)num_decodes * items_per_decode; item++) {
+            const int i = (int)(item / items_per_decode), kv = (int)(item % items_per_decode) * per_item, r = seq_index[i];
             fn(out + out_rows[i] * out_tok_stride, out_head_stride, q + tokens[i] * q_tok_stride, q_head_stride,
                k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r], block_size,
-               row_len, kv, scale);
+               row_len, kv, per_item, scale);
         }
         return 0;
     }
