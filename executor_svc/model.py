@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from executor_svc import fused_ops
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import linear, pack
@@ -87,6 +88,8 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if fused_ops.available(x):
+        return fused_ops.rms_norm(x, weight, eps)  # one pass instead of five kernels
     if x.dtype == torch.float32:
         # The fused kernel matches the reference formula bit for bit in float32.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -136,10 +139,23 @@ def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (may be a strided view); cos/sin_signed [T, 1, D]."""
+    """x [T, heads, D] (may be a strided view); cos/sin_signed [T, D].
+
+    On float32 CPU tensors x is rotated in place (one native pass) and
+    returned; elsewhere a rotated copy is returned."""
+    if fused_ops.available(x):
+        return fused_ops.rope_(x, cos, sin_signed)
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin_signed
+    return x * cos.unsqueeze(1) + swapped * sin_signed.unsqueeze(1)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] ([gate | up]) -> silu(gate) * up."""
+    if fused_ops.available(gate_up):
+        return fused_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -191,8 +207,7 @@ class DecoderLayer(nn.Module):
         h = h + self._reduce(linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
         gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, None, self.packed.get("gate_up"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + self._reduce(linear(F.silu(gate) * up, self.down_weight, None, self.packed.get("down")))
+        return h + self._reduce(linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""
@@ -253,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers), (
             f"got {len(kv_caches)} KV caches for {len(self.layers)} layers"
         )
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin_signed = self.rope_sin_signed[positions].unsqueeze(1)
+        cos = self.rope_cos[positions]
+        sin_signed = self.rope_sin_signed[positions]
         h = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin_signed, kv_cache, meta)

@@ -1,0 +1,78 @@
+"""RMSNorm, rotary embedding and the SwiGLU gate, each in one native pass
+(native/fused_ops.c), for float32 tensors on CPU.
+
+`available(x)` says whether a tensor can take the native path; the model
+falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+
+import torch
+
+from executor_svc.native_build import load_library
+
+SOURCE = os.path.join(os.path.dirname(__file__), "native", "fused_ops.c")
+_i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    # -fno-trapping-math lets the float -> int conversion in exp_approx
+    # vectorize; its input is clamped, so it never traps.
+    lib = load_library(SOURCE, ("-fno-trapping-math",))
+    if lib is None:
+        return None
+    lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
+    lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
+    lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
+    for fn in (lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32):
+        fn.restype = None
+    return lib
+
+
+def available(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _lib() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows with unit stride along the last dimension (copied only if not)."""
+    assert x.dim() == 2, f"expected a [rows, width] tensor, got shape {tuple(x.shape)}"
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rows, dim] -> x / sqrt(mean(x^2) + eps) * weight, a new tensor."""
+    x = _rows(x)
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
+                        x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] ([gate | up]) -> silu(gate) * up, [rows, inter]."""
+    gate_up = _rows(gate_up)
+    rows, width = gate_up.shape
+    assert width % 2 == 0, f"gate_up width {width} is odd"
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, width // 2,
+                        torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotates x [tokens, heads, dim] in place (x may be a view into a fused
+    qkv row: only its last dimension must be contiguous); cos and
+    sin_signed are [tokens, dim]. Returns x."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and dim % 2 == 0, f"rope needs unit-stride, even head dims: {x.stride()}, {dim}"
+    assert cos.shape == sin_signed.shape == (tokens, dim) and cos.stride() == sin_signed.stride() and cos.stride(1) == 1, (
+        f"cos/sin {tuple(cos.shape)} {cos.stride()} for x {tuple(x.shape)}"
+    )
+    _lib().rope_f32(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin_signed.data_ptr(), cos.stride(0),
+                    tokens, heads, dim, torch.get_num_threads())
+    return x
