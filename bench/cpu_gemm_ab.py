@@ -1,0 +1,58 @@
+"""Decode and prefill step time with --cpu-gemm native vs torch, interleaved in one process.
+
+    .venv/bin/python -m bench.cpu_gemm_ab [--rounds 5] [--num-threads 2]
+
+Loads the embedded model twice (the packed-GEMM executor and the MKL one) and
+times the same rows as bench.forward_sweep (decode batches at one context, a
+64-decode step at a longer context, an 8 x 256-token prefill), alternating
+the two executors round by round so that load from other processes falls on
+both alike. Prints the median step time of each and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from bench.forward_sweep import BLOCK_SIZE, TimedModel, kv_gib_needed, time_row
+from executor_svc.config import ExecutorConfig
+from executor_svc.model_loader import open_checkpoint
+from executor_svc.worker import Worker
+from shared.logging import configure_logging
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5, help="alternations; each times 2 steps per executor and row")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--batch-sizes", default="1,8,16,32,64,128")
+    a = p.parse_args(argv)
+    configure_logging("warning", False)
+    torch.set_num_threads(a.num_threads)
+    rows = [dict(sweep="batch", batch=int(b), context=256, new=1) for b in a.batch_sizes.split(",")]
+    rows += [dict(sweep="context", batch=64, context=512, new=1), dict(sweep="prefill", batch=8, context=256, new=256)]
+    gib = kv_gib_needed(open_checkpoint(None)[0].config, torch.float32, rows)
+    executors = {}
+    for gemm in ("native", "torch"):
+        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads, cpu_gemm=gemm))
+        worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
+                         max_num_seqs=max(r["batch"] for r in rows))
+        timed = worker.runner.model = TimedModel(worker.runner.model)
+        executors[gemm] = (worker, timed)
+    steps, gen = itertools.count(1), torch.Generator().manual_seed(0)
+    print(f"{'row':22} {'native ms':>10} {'torch ms':>10} {'torch/native':>13}")
+    for row in rows:
+        ms = {gemm: [] for gemm in executors}
+        for r in range(a.rounds):
+            order = list(executors.items()) if r % 2 == 0 else list(reversed(executors.items()))
+            for gemm, (worker, timed) in order:
+                ms[gemm].append(1e3 * time_row(worker, timed, row, 2, steps, gen)[0])
+        med = {gemm: statistics.median(v) for gemm, v in ms.items()}
+        label = f"{row['sweep']} {row['batch']}x{row['context']}"
+        print(f"{label:22} {med['native']:10.1f} {med['torch']:10.1f} {med['torch'] / med['native']:12.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
