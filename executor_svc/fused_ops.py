@@ -1,5 +1,5 @@
-"""RMSNorm, rotary embedding and the SwiGLU gate, each in one native pass
-(native/fused_ops.c), for float32 tensors on CPU.
+"""RMSNorm and rotary embedding, each in one native pass (native/fused_ops.c),
+for float32 tensors on CPU.
 
 `available(x)` says whether a tensor can take the native path; the model
 falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
@@ -20,15 +20,12 @@ _i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_vo
 
 @lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    # -fno-trapping-math lets the float -> int conversion in exp_approx
-    # vectorize; its input is clamped, so it never traps.
-    lib = load_library(SOURCE, ("-fno-trapping-math",))
+    lib = load_library(SOURCE)
     if lib is None:
         return None
     lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
-    lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
     lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
-    for fn in (lib.rms_norm_f32, lib.silu_mul_f32, lib.rope_f32):
+    for fn in (lib.rms_norm_f32, lib.rope_f32):
         fn.restype = None
     return lib
 
@@ -50,17 +47,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
                         x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2 * inter] ([gate | up]) -> silu(gate) * up, [rows, inter]."""
-    gate_up = _rows(gate_up)
-    rows, width = gate_up.shape
-    assert width % 2 == 0, f"gate_up width {width} is odd"
-    out = torch.empty(rows, width // 2, dtype=torch.float32)
-    _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, width // 2,
-                        torch.get_num_threads())
     return out
 
 

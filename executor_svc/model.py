@@ -152,8 +152,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * inter] ([gate | up]) -> silu(gate) * up."""
-    if fused_ops.available(gate_up):
-        return fused_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -1,12 +1,12 @@
-/* The elementwise steps of a decoder layer, each fused into one pass, for
- * float32 on CPU.
+/* RMSNorm and rotary embedding, each fused into one pass, for float32 on CPU.
  *
  * In PyTorch, RMSNorm is five kernels (square, mean, add eps, rsqrt, two
- * multiplies), rotary embedding four (a concatenation for the rotated half,
- * two multiplies, an add) and the SwiGLU gate two, each reading and writing a
- * whole [tokens, width] tensor: in a 2,048-token prefill step they moved
- * ~15% of the step's time through memory. Here each is one read and one
- * write per element, rows split across threads.
+ * multiplies) and rotary embedding four (a concatenation for the rotated
+ * half, two multiplies, an add), each reading and writing a whole
+ * [tokens, width] tensor. Here each is one read and one write per element,
+ * rows split across threads: 14x (RMSNorm) and 42x (rope) faster than torch
+ * at 2,048 rows. (A fused SwiGLU gate was tried and was slower than torch's
+ * silu and multiply, so the model keeps those.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,41 +30,6 @@ void rms_norm_f32(float *out, int64_t ld_out, const float *x, int64_t ld_x, cons
 #pragma omp simd
         for (int d = 0; d < dim; d++)
             o[d] = xr[d] * inv * w[d];
-    }
-}
-
-/* e^x for x in float range, inlined so loops over it vectorize (a libm call
- * would not): x = k ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
- * polynomial (relative error < 2e-7 on that interval), 2^k built in the
- * exponent bits. Below -87 the result flushes towards 0, above 88 it is
- * clamped. */
-static inline float exp_approx(float x)
-{
-    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
-    const float k = floorf(x * 1.44269504f + 0.5f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
-}
-
-/* out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: the SwiGLU gate over a
- * fused [gate | up] projection. */
-void silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter, int num_threads)
-{
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
-    for (int r = 0; r < rows; r++) {
-        const float *g = gu + r * ld_gu, *u = g + inter;
-        float *o = out + r * ld_out;
-#pragma omp simd
-        for (int i = 0; i < inter; i++)
-            o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
     }
 }
 
