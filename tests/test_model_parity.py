@@ -180,18 +180,24 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", TINY_KINDS)
-def test_tiny_model_greedy_matches_hf(tiny, kind, backend):
-    hf_model, folder = tiny(kind)
-    ours = load_hf_folder(folder, make_backend(backend))
-    prompts = _random_prompts(ours.config.vocab_size, [5, 11, 23], seed=1)
-    num_new = 12
+def assert_tiny_batch_matches_hf(ours, hf_model, num_new: int, seed: int) -> None:
+    """Three random prompts of different lengths in one batch: greedy tokens
+    equal HF's and the first step's top-5 logprobs agree."""
+    prompts = _random_prompts(ours.config.vocab_size, [5, 11, 23], seed=seed)
     outs, first = greedy_batched(PagedEngine(ours, num_blocks=40, block_size=4), prompts, num_new)
     for prompt, out, row in zip(prompts, outs, first):
         ref, ref_first, _ = hf_greedy(hf_model, prompt, num_new)
         assert out == ref
         assert_top5_close(row, ref_first)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tiny_model_greedy_matches_hf(tiny, kind, backend):
+    hf_model, folder = tiny(kind)
+    ours = load_hf_folder(folder, make_backend(backend))
+    num_new = 12
+    assert_tiny_batch_matches_hf(ours, hf_model, num_new, seed=1)
 
     a, b, c_suffix = _random_prompts(ours.config.vocab_size, [14, 6, 5], seed=2)
     engine = PagedEngine(same_weights(ours, make_backend(backend)), num_blocks=40, block_size=4)
@@ -206,10 +212,4 @@ def test_tiny_model_packed_gemm_matches_hf(tiny, kind):
     hf_model, folder = tiny(kind)
     ours = load_hf_folder(folder, make_backend("cpu"))
     ours.pack_linear_weights()
-    prompts = _random_prompts(ours.config.vocab_size, [5, 11, 23], seed=3)
-    num_new = 12
-    outs, first = greedy_batched(PagedEngine(ours, num_blocks=40, block_size=4), prompts, num_new)
-    for prompt, out, row in zip(prompts, outs, first):
-        ref, ref_first, _ = hf_greedy(hf_model, prompt, num_new)
-        assert out == ref
-        assert_top5_close(row, ref_first)
+    assert_tiny_batch_matches_hf(ours, hf_model, 12, seed=3)
