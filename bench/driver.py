@@ -178,6 +178,19 @@ def model_info(target: str) -> dict:
     return MessageToDict(asyncio.run(get()), preserving_proto_field_name=True)
 
 
+def engine_workload(args, target: str) -> tuple[dict, list[BenchRequest]]:
+    """The served model's facts and the workload `args` describe (text prompts
+    tokenized by the engine), checked to fit its context and vocabulary."""
+    from bench.workloads import check_fits, workload_from_args
+    from pagedserve_client import Client
+
+    info = model_info(target)
+    with Client(target) as c:
+        requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
+    check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
+    return info, requests
+
+
 def server_status(target: str) -> pb.ServerStatus:
     async def get():
         async with AsyncClient(target) as c:

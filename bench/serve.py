@@ -21,17 +21,14 @@ import math
 import statistics
 
 from bench import report
-from bench.driver import RunResult, model_info, percentile, run_requests, warm_up
+from bench.driver import RunResult, engine_workload, percentile, run_requests, warm_up
 from bench.run_servers import EngineFlags, running_engine
 from bench.workloads import (
     add_workload_args,
-    check_fits,
     describe,
     poisson_arrivals,
     with_distinct_first_token,
-    workload_from_args,
 )
-from pagedserve_client import Client
 
 SUITE = "serve"
 PERCENTILES = (50, 90, 99)
@@ -111,11 +108,8 @@ def main(args, argv: list[str]) -> dict:
     flags = EngineFlags(dtype=args.dtype, num_threads=args.num_threads, kv_cache_gib=args.kv_cache_gib)
     result["engine_flags"] = flags.as_dict()
     with running_engine(flags, args.target) as target:
-        info = model_info(target)
+        info, requests = engine_workload(args, target)
         result["model_info"] = info
-        with Client(target) as c:
-            requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
-        check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
         result["workload"] = describe(requests)
         warm_up(target, int(info["vocab_size"]))
         rounds = []

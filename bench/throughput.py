@@ -22,10 +22,9 @@ import sys
 import torch
 
 from bench import hf_baseline, report, vllm_baseline
-from bench.driver import model_info, run_requests, warm_up
+from bench.driver import engine_workload, run_requests, warm_up
 from bench.run_servers import EngineFlags, running_engine
-from bench.workloads import add_workload_args, check_fits, describe, workload_from_args
-from pagedserve_client import Client
+from bench.workloads import add_workload_args, describe
 
 SUITE = "throughput"
 
@@ -76,11 +75,8 @@ def run_dtype(args, flags: EngineFlags) -> dict:
         # rounds after the first report their cache hits in cached_prompt_tokens.)
         with running_engine(flags, args.target) as target:
             if requests is None:
-                info = model_info(target)
+                info, requests = engine_workload(args, target)
                 out["model_info"] = info
-                with Client(target) as c:
-                    requests = workload_from_args(args, int(info["vocab_size"]), c.tokenize)
-                check_fits(requests, int(info["max_model_len_tokens"]), int(info["vocab_size"]))
                 out["workload"] = describe(requests)
             warm_up(target, int(info["vocab_size"]))
             out["pagedserve_rounds"].append(measure_pagedserve(target, requests, f"{label} pagedserve"))
