@@ -34,15 +34,11 @@ def available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and _lib() is not None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as 2-D rows with unit stride along the last dimension (copied only if not)."""
-    assert x.dim() == 2, f"expected a [rows, width] tensor, got shape {tuple(x.shape)}"
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[rows, dim] -> x / sqrt(mean(x^2) + eps) * weight, a new tensor."""
-    x = _rows(x)
+    assert x.dim() == 2, f"expected a [rows, dim] tensor, got shape {tuple(x.shape)}"
+    if x.stride(1) != 1:
+        x = x.contiguous()
     assert weight.is_contiguous() and weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
