@@ -42,6 +42,9 @@ def main(argv=None) -> None:
         shapes = [(rng.randint(300, 500), 1) for _ in range(64)]
         batch = make_batch(shapes, block_size=a.block_size, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
                            seed=1)
+        # The batch's new tokens are not in the cache yet (their slots hold NaN poison): write them,
+        # so every variant computes real attention instead of propagating NaN.
+        backends["torch"].write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, batch.meta)
         kv_bytes = 2 * sum(seq for seq, _ in shapes) * 3 * 64 * batch.k_cache.element_size() * a.layers
         caches = [(batch.k_cache, batch.v_cache)] + [(batch.k_cache.clone(), batch.v_cache.clone())
                                                      for _ in range(a.layers - 1)]
