@@ -1,5 +1,5 @@
-"""RMSNorm and rotary embedding, each in one native pass (native/fused_ops.c),
-for float32 tensors on CPU.
+"""RMSNorm, rotary embedding and the SwiGLU gate, each in one native pass
+(native/fused_ops.c), for float32 tensors on CPU.
 
 `available(x)` says whether a tensor can take the native path; the model
 falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
@@ -25,6 +25,8 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
     lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
+    lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
+    lib.silu_mul_f32.restype = _i32
     for fn in (lib.rms_norm_f32, lib.rope_f32):
         fn.restype = None
     return lib
@@ -58,3 +60,16 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     _lib().rope_f32(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin_signed.data_ptr(), cos.stride(0),
                     tokens, heads, dim, torch.get_num_threads())
     return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 2 * inter] ([gate | up]) -> silu(gate) * up, a new tensor; None
+    where the native build has no vector path (no AVX-512)."""
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, f"expected [rows, 2 * inter], got {tuple(gate_up.shape)}"
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    status = _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter,
+                                 torch.get_num_threads())
+    return out if status == 0 else None

@@ -1,6 +1,7 @@
 """Compiles a native C source with the system compiler and loads it via ctypes.
 
-Each library is built once per source version, flags and CPU (-march=native)
+Each library is built once per version of its source and the local headers
+it includes, flags and CPU (-march=native)
 into a `build/` folder beside its source (or the temp dir when that is read
 only) and reused; ctypes releases the GIL for every call. `load_library`
 returns None when there is no compiler or the build fails, and the caller
@@ -12,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,6 +44,24 @@ def _build_dir(source: str) -> str:
     return os.path.join(tempfile.gettempdir(), "pagedserve-native")
 
 
+def _source_and_headers(source: str) -> bytes:
+    """The source's bytes followed by those of every local header it includes
+    (`#include "..."`, recursively), so editing a header changes the build key."""
+    seen: set[str] = set()
+
+    def read(path: str) -> bytes:
+        path = os.path.normpath(path)
+        if path in seen:
+            return b""
+        seen.add(path)
+        with open(path, "rb") as f:
+            code = f.read()
+        headers = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', code, flags=re.MULTILINE)
+        return code + b"".join(read(os.path.join(os.path.dirname(path), h.decode())) for h in headers)
+
+    return read(source)
+
+
 def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `source` as a loaded library, or None if it cannot be built here."""
     flags = [*FLAGS, *extra_flags]
@@ -50,8 +70,7 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
     if compiler is None:
         log.warning("native_build_unavailable", source=stem, reason="no C compiler on PATH")
         return None
-    with open(source, "rb") as f:
-        code = f.read()
+    code = _source_and_headers(source)
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     folder = _build_dir(source)
     os.makedirs(folder, exist_ok=True)

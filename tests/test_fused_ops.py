@@ -1,5 +1,6 @@
-"""The fused native RMSNorm and rotary embedding (executor_svc/fused_ops.py)
-against the model's plain-torch versions, computed in float64."""
+"""The fused native RMSNorm, rotary embedding and SwiGLU gate
+(executor_svc/fused_ops.py) against the model's plain-torch versions,
+computed in float64."""
 from __future__ import annotations
 
 import pytest
@@ -52,6 +53,44 @@ def test_rope_in_place_on_a_fused_qkv_view(tokens, heads, dim):
     torch.testing.assert_close(qkv[:, :heads].double(), reference_rope(before[:, :heads], cos, sin_signed),
                                rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, heads:], before[:, heads:])
+
+
+def reference_silu_mul(gate_up):
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+needs_vector_gate = pytest.mark.skipif(fused_ops.silu_mul(torch.zeros(1, 32)) is None,
+                                       reason="the native gate needs AVX-512")
+
+
+@needs_vector_gate
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("inter", [16, 37, 1536])
+def test_silu_mul_matches_reference(rows, inter):
+    """Widths that are and are not multiples of the 16-lane vector (the masked tail)."""
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+    got = fused_ops.silu_mul(gate_up)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got.double(), reference_silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+@needs_vector_gate
+def test_silu_mul_saturates_to_finite_values():
+    """Gates far past exp's float range: silu(g) -> g for large g, -> 0 for very negative g."""
+    gate_up = torch.tensor([[-1000.0, -100.0, -88.0, 0.0, 88.0, 100.0, 1000.0, 3.0e38] + [1.0] * 8])
+    got = fused_ops.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), reference_silu_mul(gate_up).nan_to_num(0.0), rtol=1e-6, atol=1e-30)
+
+
+@needs_vector_gate
+def test_silu_mul_reads_row_strided_input():
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 100, generator=gen)
+    torch.testing.assert_close(fused_ops.silu_mul(wide[:, :64]).double(), reference_silu_mul(wide[:, :64]),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_available_only_for_float32_cpu():

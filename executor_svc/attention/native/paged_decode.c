@@ -128,26 +128,10 @@ static int decode_generic(
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
 #include <immintrin.h>
 
+#include "../../native/exp512.h"
+
 #define MAX_ITEM_HEADS 64 /* query heads one work item may cover */
 #define CHUNK 16 /* tokens scored together: one zmm of scores per head */
-
-/* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by its
- * degree-6 Taylor series (truncation error < 2e-7 relative), scaled by 2^n. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* 16 consecutive values of a K/V row, widened to float32. */
 static inline __m512 load16(const void *base, int64_t first, int bf16) {
