@@ -359,6 +359,46 @@ def test_cpu_backend_decodes_only_and_prefills_only():
         assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
+def native_prefill_available() -> bool:
+    from executor_svc.attention import native_kernel
+
+    fn = native_kernel.load_prefill()
+    if fn is None:
+        return False
+    batch = make_batch([(0, 3)], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=torch.float32, seed=0)
+    backend = cpu_backend()
+    run_step(backend, batch)
+    return TorchAttentionBackend.name not in batch.meta.extra  # SDPA's plan is built only on fallback
+
+
+needs_native_prefill = pytest.mark.skipif(not native_prefill_available(),
+                                          reason="the native prefill kernel needs AVX-512")
+
+
+@needs_native_prefill
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (64, 1)])
+def test_cpu_backend_prefills_run_natively_and_match_reference(dtype, head_dim, group):
+    """Long and chunked prefills (query blocks of 16 crossing blocks and the
+    causal diagonal at every offset) through paged_prefill.c, not SDPA."""
+    shapes = [(0, 300), (37, 45), (250, 17), (0, 2), (128, 16), (5, 1)]
+    batch = make_batch(shapes, block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype,
+                       seed=head_dim + group)
+    out = run_step(cpu_backend(), batch)
+    assert TorchAttentionBackend.name not in batch.meta.extra, "prefills fell back to SDPA"
+    assert_matches_reference(out, batch)
+
+
+@needs_native_prefill
+def test_cpu_backend_prefills_of_unsupported_shapes_fall_back_to_sdpa():
+    """head_dim 32 has no native prefill instance: SDPA serves it, still correct."""
+    batch = make_batch(mixed_shapes(16), block_size=16, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
+                       seed=5)
+    out = run_step(cpu_backend(), batch)
+    assert TorchAttentionBackend.name in batch.meta.extra
+    assert_matches_reference(out, batch)
+
+
 @pytest.mark.parametrize("backend_name", ["cpu", "torch"])
 def test_bfloat16_kv_cache_under_a_float32_model_matches_reference_on_rounded_kv(backend_name):
     """--kv-cache-dtype bfloat16: K/V are stored rounded, everything else stays float32."""

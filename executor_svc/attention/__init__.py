@@ -37,7 +37,7 @@ def get_backend(name: str):
         if kernel is not None:
             from executor_svc.attention.cpu_backend import CpuAttentionBackend
 
-            return CpuAttentionBackend(kernel)
+            return CpuAttentionBackend(kernel, native_kernel.load_prefill())
         name = "torch"
     if name == "torch":
         from executor_svc.attention.torch_backend import TorchAttentionBackend

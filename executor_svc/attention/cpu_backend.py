@@ -1,11 +1,20 @@
-"""The CPU backend: decodes through the native kernel, prefills through torch.
+"""The CPU backend: native kernels that read K/V in place from the paged cache.
 
 Decode attention is memory bound: each decode reads its whole K/V history to
 produce one token. `native/paged_decode.c` reads those rows in place from the
 paged cache; the plain-torch backend must gather them into a copy first,
-which moves three times the bytes. Prefills (many query tokens per K/V row)
-are compute bound, and SDPA's tiled kernel serves them best, so they stay on
-`TorchAttentionBackend`.
+which moves three times the bytes.
+
+Prefills (many query tokens per K/V row) are compute bound.
+`native/paged_prefill.c` runs them in FMA form straight from the cache,
+16 query tokens per work item; for shapes or CPUs it has no path for (it
+says so by returning -1) they go to `TorchAttentionBackend` (SDPA).
+
+Prefill work items, for request r with q new tokens and seq_len L
+(query rows starts[r] .., positions L - q ..):
+
+    item k:  query rows starts[r] + 16k .. + count - 1     count = min(16, q - 16k)
+             positions  L - q + 16k ..                     attends to 0 .. its own
 """
 from __future__ import annotations
 
@@ -14,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata
-from executor_svc.attention.torch_backend import TorchAttentionBackend
+from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
+_PREFILL_TOKENS_PER_ITEM = 16  # QB in paged_prefill.c
 
 
 @dataclass
@@ -27,16 +37,28 @@ class _Decodes:
     max_seq_len: int
 
 
+@dataclass
+class _PrefillItems:
+    token: torch.Tensor  # [n] int64, first query row
+    count: torch.Tensor  # [n] int32, query tokens (<= 16)
+    pos: torch.Tensor  # [n] int32, position of the first
+    seq_index: torch.Tensor  # [n] int32, the request's row in block_tables
+    rows: torch.Tensor  # [num prefill tokens] int64, every prefill query row
+
+
 class CpuAttentionBackend:
     name = "cpu"
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, prefill_kernel=None):
         self._kernel = kernel
+        self._prefill_kernel = prefill_kernel
         self._prefills = TorchAttentionBackend(handle_decodes=False)
         self.write_kv = self._prefills.write_kv
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._prefills.prepare(meta)
+        check_metadata(meta)
+        meta.extra[self.name + ".prefill"] = _prefill_items(meta) if self._prefill_kernel is not None else None
+        meta.extra.pop(self._prefills.name, None)  # the SDPA plan is built only if a layer needs it
         rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
         starts = meta.query_start_loc
         decodes = None
@@ -54,7 +76,13 @@ class CpuAttentionBackend:
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if self.name not in meta.extra:
             raise RuntimeError("CpuAttentionBackend.forward before prepare(meta) for this step")
-        out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
+        if out is None:
+            out = query.new_empty(query.shape)
+        if any(q > 1 for q in meta.query_lens_cpu) and not self._native_prefills(query, k_cache, v_cache, meta, scale,
+                                                                                 out):
+            if self._prefills.name not in meta.extra:
+                self._prefills.prepare(meta)  # once per step, shared by the layers
+            out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
         d = meta.extra[self.name]
         if d is None:
             return out
@@ -86,3 +114,58 @@ class CpuAttentionBackend:
         if not direct:
             out.index_copy_(0, d.tokens, target.to(out.dtype))
         return out
+
+    def _native_prefills(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> bool:
+        """Every prefill token's attention through the native kernel; False
+        (nothing written) where it has no path for this shape or CPU."""
+        items = meta.extra[self.name + ".prefill"]
+        if items is None:
+            return False
+        q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float()
+        direct = out.dtype == torch.float32 and out.stride(2) == 1
+        target = out if direct else torch.empty(q.shape, dtype=torch.float32)
+        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+        status = self._prefill_kernel(
+            target.data_ptr(), target.stride(0), target.stride(1),
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            tables.data_ptr(), tables.stride(0),
+            items.token.data_ptr(), items.count.data_ptr(), items.pos.data_ptr(), items.seq_index.data_ptr(),
+            items.token.numel(), query.shape[1], k_cache.shape[2], query.shape[2], meta.block_size,
+            scale, torch.get_num_threads(),
+        )
+        if status == -1:
+            return False
+        if status != 0:
+            raise MemoryError("native prefill attention could not allocate its scratch buffers")
+        if not direct:
+            out.index_copy_(0, items.rows, target.index_select(0, items.rows).to(out.dtype))
+        return True
+
+
+def _prefill_items(meta: AttentionMetadata) -> _PrefillItems | None:
+    """Work items of 16 query tokens over every prefill of the step (see the
+    module docstring), latest positions first so the dynamic schedule ends on
+    the cheapest items."""
+    n = _PREFILL_TOKENS_PER_ITEM
+    token, count, pos, seq = [], [], [], []
+    starts = meta.query_start_loc.tolist()
+    for r, (q, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q == 1:
+            continue
+        for k in range(0, q, n):
+            token.append(starts[r] + k)
+            count.append(min(n, q - k))
+            pos.append(seq_len - q + k)
+            seq.append(r)
+    if not token:
+        return None
+    order = sorted(range(len(token)), key=lambda i: -pos[i])
+    rows = [starts[r] + j for r, q in enumerate(meta.query_lens_cpu) if q > 1 for j in range(q)]
+    return _PrefillItems(
+        token=torch.tensor([token[i] for i in order], dtype=torch.int64),
+        count=torch.tensor([count[i] for i in order], dtype=torch.int32),
+        pos=torch.tensor([pos[i] for i in order], dtype=torch.int32),
+        seq_index=torch.tensor([seq[i] for i in order], dtype=torch.int32),
+        rows=torch.tensor(rows, dtype=torch.int64),
+    )

@@ -1,7 +1,8 @@
-"""Loads native/paged_decode.c (built by executor_svc.native_build) via ctypes.
+"""Loads the native paged-attention kernels (built by executor_svc.native_build)
+via ctypes: native/paged_decode.c and native/paged_prefill.c.
 
-`load()` returns None when the kernel cannot be built here, and the CPU
-backend then falls back to plain torch.
+`load()` and `load_prefill()` return None when a kernel cannot be built
+here, and the CPU backend then falls back to plain torch.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from functools import lru_cache
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
+PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
 
 _i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
@@ -36,5 +38,29 @@ def load(portable: bool = False):
         return None
     fn = lib.paged_decode_attention
     fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_PREFILL_ARGTYPES = [
+    _p, _i64, _i64,  # out, strides
+    _p, _i64, _i64,  # q, strides
+    _p, _p, _i32,  # k_cache, v_cache, cache_bf16
+    _p, _i64,  # block_tables, stride
+    _p, _p, _p, _p, _i32,  # item_token, item_count, item_pos, item_seq, num_items
+    _i32, _i32, _i32, _i32,  # num_heads, num_kv_heads, head_dim, block_size
+    _f32, _i32,  # scale, num_threads
+]
+
+
+@lru_cache(maxsize=1)
+def load_prefill():
+    """The compiled prefill kernel's function, or None if it cannot be built here.
+    It returns -1 for shapes (or CPUs) it has no path for."""
+    lib = load_library(PREFILL_SOURCE)
+    if lib is None:
+        return None
+    fn = lib.paged_prefill_attention
+    fn.argtypes = _PREFILL_ARGTYPES
     fn.restype = ctypes.c_int
     return fn

@@ -132,6 +132,7 @@ static int decode_generic(
 
 #define MAX_ITEM_HEADS 64 /* query heads one work item may cover */
 #define CHUNK 16 /* tokens scored together: one zmm of scores per head */
+#include "chunk_rows.h"
 
 /* 16 consecutive values of a K/V row, widened to float32. */
 static inline __m512 load16(const void *base, int64_t first, int bf16) {
@@ -154,27 +155,6 @@ static inline __m512 sum16(__m512 v[16]) {
         z[k] = _mm512_add_ps(_mm512_shuffle_ps(u[k], u[k + 2], 0x44), _mm512_shuffle_ps(u[k], u[k + 2], 0xEE));
     const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
-}
-
-/* Element offsets of the rows (all KV heads) of tokens t0 .. t0+15, walking
- * the block table with a running (block, offset) instead of a division per
- * token. Past `len`, entries repeat the chunk's first row (scored, then
- * masked out). Returns how many tokens are real. */
-static inline int chunk_rows(int64_t *rows, const int32_t *table, int t0, int len, int block_size, int64_t row_len)
-{
-    const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
-    int b = t0 / block_size, off = t0 - b * block_size;
-    int64_t base = (int64_t)table[b] * block_size;
-    for (int j = 0; j < n; j++) {
-        rows[j] = (base + off) * row_len;
-        if (++off == block_size && j + 1 < n) {
-            off = 0;
-            base = (int64_t)table[++b] * block_size;
-        }
-    }
-    for (int j = n; j < CHUNK; j++)
-        rows[j] = rows[0];
-    return n;
 }
 
 /* One decode's attention for the query heads of KV heads kv_first ..

@@ -1,0 +1,238 @@
+/* Paged prefill attention for CPUs with AVX-512, reading K/V in place from
+ * the block cache (same layout as paged_decode.c:
+ * cache[num_blocks][block_size][num_kv_heads][head_dim], float32 or bfloat16).
+ *
+ * A prefill (or a chunk of one) has many query tokens, each attending
+ * causally to the request's positions 0 .. its own. SDPA needs every
+ * request's K/V gathered into a copy and runs this shape at ~45 GFLOP/s
+ * here; this kernel reads the cache in place and keeps both matrix products
+ * in FMA form.
+ *
+ * Work item = (QB consecutive query tokens of one request, one KV head). Its
+ * R = tokens x G query rows (G query heads per KV head; row r = token
+ * r / G, head r % G) are padded to whole vectors and laid out with rows in
+ * vector lanes, so that everything per row is vertical arithmetic:
+ *
+ *     qt[d][r]   = q[r][d] * scale       S[j][r] = sum_d K[j][d] * qt[d][r]
+ *     m[r], l[r]: running max and sum    ot[d][r] += sum_j p[j][r] * V[j][d]
+ *
+ * For each 16-key chunk and each group of 16 rows, S is 16 vectors (one per
+ * key) built from broadcasts of the key's row; the online softmax takes the
+ * row max across those vectors (no horizontal reductions); p times V is
+ * again broadcasts of V's row into FMAs. Keys past a row's position are
+ * masked, which only the chunks crossing the diagonal need.
+ *
+ * Returns 0; -1 if this build has no AVX-512 path or the shape has no
+ * instance (the caller then keeps SDPA); -2 if scratch allocation failed.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QB 16 /* query tokens per work item */
+#define MAX_G 8 /* query heads per KV head */
+#define MAX_ROWS (QB * MAX_G)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "../../native/exp512.h"
+
+#define CHUNK 16
+#include "chunk_rows.h"
+
+/* One key chunk against one group of 16 query rows (rows in lanes).
+ * k, v: the chunk's 16 rows of this KV head, as float32 (stride D).
+ * pos: each lane's position; keys k0 .. k0+15; masked: the chunk crosses
+ * the diagonal of some lane. Updates m, l (in registers of the caller via
+ * pointers) and ot[d] (vectors of this row group, stride rv). */
+static inline __attribute__((always_inline)) void chunk_group(
+    const int D, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+    const float *qt, int rv, float *ot, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
+{
+    __m512 s[CHUNK];
+    for (int j = 0; j < CHUNK; j++) s[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const __m512 q = _mm512_loadu_ps(qt + (int64_t)d * rv);
+#pragma GCC unroll 16
+        for (int j = 0; j < CHUNK; j++)
+            s[j] = _mm512_fmadd_ps(_mm512_set1_ps(k[j * k_stride + d]), q, s[j]);
+    }
+    __mmask16 valid[CHUNK];
+    __m512 m_new = *m;
+    for (int j = 0; j < CHUNK; j++) {
+        valid[j] = masked ? _mm512_cmp_ps_mask(pos, _mm512_set1_ps((float)(k0 + j)), _CMP_GE_OQ) : (__mmask16)0xFFFF;
+        m_new = _mm512_mask_max_ps(m_new, valid[j], m_new, s[j]);
+    }
+    /* m = -inf before the first chunk: alpha = e^-87 then scales zeros. */
+    const __m512 alpha = exp512(_mm512_sub_ps(*m, m_new));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < CHUNK; j++) {
+        s[j] = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(s[j], m_new)));
+        sum = _mm512_add_ps(sum, s[j]);
+    }
+    *l = _mm512_fmadd_ps(*l, alpha, sum);
+    *m = m_new;
+    /* ot[d] = ot[d] * alpha + sum_j p[j] * V[j][d], 8 d's at a time in registers. */
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 acc[8];
+        for (int dd = 0; dd < 8; dd++) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv), alpha);
+#pragma GCC unroll 16
+        for (int j = 0; j < CHUNK; j++)
+            for (int dd = 0; dd < 8; dd++)
+                acc[dd] = _mm512_fmadd_ps(_mm512_set1_ps(v[j * v_stride + d0 + dd]), s[j], acc[dd]);
+        for (int dd = 0; dd < 8; dd++) _mm512_storeu_ps(ot + (int64_t)(d0 + dd) * rv, acc[dd]);
+    }
+}
+
+/* bfloat16 rows widened into a float32 buffer [16][D]. */
+static inline void widen_rows(float *dst, const uint16_t *cache, const int64_t *rows, int64_t off, int D)
+{
+    for (int j = 0; j < CHUNK; j++) {
+        const uint16_t *src = cache + rows[j] + off;
+        for (int d = 0; d < D; d += 16) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(src + d));
+            _mm512_storeu_ps(dst + j * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+        }
+    }
+}
+
+static inline void copy_rows(float *dst, const float *cache, const int64_t *rows, int64_t off, int D)
+{
+    for (int j = 0; j < CHUNK; j++)
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(dst + j * D + d, _mm512_loadu_ps(cache + rows[j] + off + d));
+}
+
+/* One work item: query tokens first_token .. +count-1 at positions pos0 ..,
+ * query heads kv*G .. kv*G+G-1. scratch: qt and ot [D][rv], two [16][D] buffers. */
+static inline __attribute__((always_inline)) void prefill_item(
+    const int D, float *out, int64_t out_tok, int64_t out_head, const float *q, int64_t q_tok, int64_t q_head,
+    const void *k_cache, const void *v_cache, int bf16, const int32_t *table, int block_size, int64_t row_len,
+    int count, int pos0, int kv, int G, float scale, float *scratch)
+{
+    const int rows = count * G, rv = (rows + 15) / 16 * 16, groups = rv / 16;
+    float *qt = scratch, *ot = qt + (int64_t)D * rv, *kbuf = ot + (int64_t)D * rv, *vbuf = kbuf + CHUNK * D;
+    for (int r = 0; r < rv; r++) {
+        const float *src = q + (int64_t)(r / G) * q_tok + (int64_t)(kv * G + r % G) * q_head;
+        for (int d = 0; d < D; d++) {
+            qt[(int64_t)d * rv + r] = r < rows ? src[d] * scale : 0.f;
+            ot[(int64_t)d * rv + r] = 0.f;
+        }
+    }
+    __m512 m[MAX_ROWS / 16], l[MAX_ROWS / 16], pos[MAX_ROWS / 16];
+    for (int g = 0; g < groups; g++) {
+        m[g] = _mm512_set1_ps(-INFINITY);
+        l[g] = _mm512_setzero_ps();
+        float p[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = g * 16 + i;
+            p[i] = (float)(pos0 + (r < rows ? r / G : count - 1)); /* padding rows copy the last token */
+        }
+        pos[g] = _mm512_loadu_ps(p);
+    }
+    const int len = pos0 + count; /* keys 0 .. last query position */
+    const int64_t off = (int64_t)kv * D;
+    int64_t krows[CHUNK];
+    for (int k0 = 0; k0 < len; k0 += CHUNK) {
+        chunk_rows(krows, table, k0, len, block_size, row_len);
+        /* Copied (or widened) into [16][D] buffers even for float32: the
+         * inner loops then address every key at a constant offset from one
+         * pointer instead of 16 row pointers, which measured faster than
+         * reading the cache in place. */
+        if (bf16) {
+            widen_rows(kbuf, (const uint16_t *)k_cache, krows, off, D);
+            widen_rows(vbuf, (const uint16_t *)v_cache, krows, off, D);
+        } else {
+            copy_rows(kbuf, (const float *)k_cache, krows, off, D);
+            copy_rows(vbuf, (const float *)v_cache, krows, off, D);
+        }
+        for (int g = 0; g < groups; g++) {
+            /* Lanes of group g hold positions >= pos0 + (16 g) / G; mask if any key may pass one. */
+            const int masked = k0 + CHUNK - 1 > pos0 + (g * 16) / G;
+            chunk_group(D, kbuf, D, vbuf, D, qt + g * 16, rv, ot + g * 16, pos[g], k0, masked, &m[g], &l[g]);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+        for (int i = 0; i < 16 && g * 16 + i < rows; i++) {
+            const int r = g * 16 + i;
+            float *dst = out + (int64_t)(r / G) * out_tok + (int64_t)(kv * G + r % G) * out_head;
+            for (int d = 0; d < D; d++) dst[d] = ot[(int64_t)d * rv + r] * inv[i];
+        }
+    }
+}
+
+static void item_64(float *o, int64_t ot, int64_t oh, const float *q, int64_t qt, int64_t qh, const void *k,
+                    const void *v, int bf, const int32_t *tb, int bs, int64_t rl, int c, int p, int kv, int G,
+                    float sc, float *s)
+{
+    prefill_item(64, o, ot, oh, q, qt, qh, k, v, bf, tb, bs, rl, c, p, kv, G, sc, s);
+}
+
+static void item_128(float *o, int64_t ot, int64_t oh, const float *q, int64_t qt, int64_t qh, const void *k,
+                     const void *v, int bf, const int32_t *tb, int bs, int64_t rl, int c, int p, int kv, int G,
+                     float sc, float *s)
+{
+    prefill_item(128, o, ot, oh, q, qt, qh, k, v, bf, tb, bs, rl, c, p, kv, G, sc, s);
+}
+
+/* Item i: query rows item_token[i] .. + item_count[i] - 1 (<= QB), at
+ * positions item_pos[i] .., of the request in block-table row item_seq[i];
+ * its K/V (positions 0 .. item_pos[i] + item_count[i] - 1) are in the cache. */
+int paged_prefill_attention(
+    float *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int cache_bf16,
+    const int32_t *block_tables, int64_t block_table_stride,
+    const int64_t *item_token, const int32_t *item_count, const int32_t *item_pos, const int32_t *item_seq,
+    int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads)
+{
+    const int G = num_heads / num_kv_heads;
+    if (G < 1 || G > MAX_G || G * num_kv_heads != num_heads || (head_dim != 64 && head_dim != 128))
+        return -1;
+    const int64_t row_len = (int64_t)num_kv_heads * head_dim;
+    const size_t scratch_floats = 2 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < (int64_t)num_items * num_kv_heads; w++) {
+            if (scratch == NULL)
+                continue;
+            const int i = (int)(w / num_kv_heads), kv = (int)(w % num_kv_heads);
+            const int32_t *table = block_tables + (int64_t)item_seq[i] * block_table_stride;
+            (head_dim == 64 ? item_64 : item_128)(
+                out + item_token[i] * out_tok_stride, out_tok_stride, out_head_stride,
+                q + item_token[i] * q_tok_stride, q_tok_stride, q_head_stride, k_cache, v_cache, cache_bf16, table,
+                block_size, row_len, item_count[i], item_pos[i], kv, G, scale, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}
+
+#else /* no AVX-512: the caller keeps SDPA */
+
+int paged_prefill_attention(
+    float *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int cache_bf16,
+    const int32_t *block_tables, int64_t block_table_stride,
+    const int64_t *item_token, const int32_t *item_count, const int32_t *item_pos, const int32_t *item_seq,
+    int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads)
+{
+    (void)out; (void)out_tok_stride; (void)out_head_stride; (void)q; (void)q_tok_stride; (void)q_head_stride;
+    (void)k_cache; (void)v_cache; (void)cache_bf16; (void)block_tables; (void)block_table_stride;
+    (void)item_token; (void)item_count; (void)item_pos; (void)item_seq; (void)num_items; (void)num_heads;
+    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)num_threads;
+    return -1;
+}
+
+#endif
