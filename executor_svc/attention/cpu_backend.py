@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
-_PREFILL_TOKENS_PER_ITEM = 16  # QB in paged_prefill.c
 
 
 @dataclass
@@ -40,7 +40,7 @@ class _Decodes:
 @dataclass
 class _PrefillItems:
     token: torch.Tensor  # [n] int64, first query row
-    count: torch.Tensor  # [n] int32, query tokens (<= 16)
+    count: torch.Tensor  # [n] int32, query tokens (<= the kernel's tokens_per_item)
     pos: torch.Tensor  # [n] int32, position of the first
     seq_index: torch.Tensor  # [n] int32, the request's row in block_tables
     rows: torch.Tensor  # [num prefill tokens] int64, every prefill query row
@@ -49,7 +49,7 @@ class _PrefillItems:
 class CpuAttentionBackend:
     name = "cpu"
 
-    def __init__(self, kernel, prefill_kernel=None):
+    def __init__(self, kernel, prefill_kernel: PrefillKernel | None = None):
         self._kernel = kernel
         self._prefill_kernel = prefill_kernel
         self._prefills = TorchAttentionBackend(handle_decodes=False)
@@ -57,7 +57,8 @@ class CpuAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)
-        meta.extra[self.name + ".prefill"] = _prefill_items(meta) if self._prefill_kernel is not None else None
+        meta.extra[self.name + ".prefill"] = (
+            None if self._prefill_kernel is None else _prefill_items(meta, self._prefill_kernel.tokens_per_item))
         meta.extra.pop(self._prefills.name, None)  # the SDPA plan is built only if a layer needs it
         rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
         starts = meta.query_start_loc
@@ -125,7 +126,7 @@ class CpuAttentionBackend:
         direct = out.dtype == torch.float32 and out.stride(2) == 1
         target = out if direct else torch.empty(q.shape, dtype=torch.float32)
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
-        status = self._prefill_kernel(
+        status = self._prefill_kernel.attend(
             target.data_ptr(), target.stride(0), target.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
@@ -136,6 +137,7 @@ class CpuAttentionBackend:
         )
         if status == -1:
             return False
+        assert status != -3, "prefill work items of no tokens or more than the kernel's tokens_per_item"
         if status != 0:
             raise MemoryError("native prefill attention could not allocate its scratch buffers")
         if not direct:
@@ -143,11 +145,10 @@ class CpuAttentionBackend:
         return True
 
 
-def _prefill_items(meta: AttentionMetadata) -> _PrefillItems | None:
-    """Work items of 16 query tokens over every prefill of the step (see the
-    module docstring), latest positions first so the dynamic schedule ends on
-    the cheapest items."""
-    n = _PREFILL_TOKENS_PER_ITEM
+def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems | None:
+    """Work items of up to n (16) query tokens over every prefill of the step
+    (see the module docstring), latest positions first so the dynamic
+    schedule ends on the cheapest items."""
     token, count, pos, seq = [], [], [], []
     starts = meta.query_start_loc.tolist()
     for r, (q, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 from executor_svc.native_build import load_library
@@ -53,9 +54,15 @@ _PREFILL_ARGTYPES = [
 ]
 
 
+@dataclass(frozen=True)
+class PrefillKernel:
+    attend: ctypes._CFuncPtr  # paged_prefill_attention(...), argument order in _PREFILL_ARGTYPES
+    tokens_per_item: int  # the most query tokens one work item may carry
+
+
 @lru_cache(maxsize=1)
-def load_prefill():
-    """The compiled prefill kernel's function, or None if it cannot be built here.
+def load_prefill() -> PrefillKernel | None:
+    """The compiled prefill kernel, or None if it cannot be built here.
     It returns -1 for shapes (or CPUs) it has no path for."""
     lib = load_library(PREFILL_SOURCE)
     if lib is None:
@@ -63,4 +70,4 @@ def load_prefill():
     fn = lib.paged_prefill_attention
     fn.argtypes = _PREFILL_ARGTYPES
     fn.restype = ctypes.c_int
-    return fn
+    return PrefillKernel(fn, lib.paged_prefill_tokens_per_item())

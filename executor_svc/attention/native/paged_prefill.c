@@ -23,7 +23,8 @@
  * masked, which only the chunks crossing the diagonal need.
  *
  * Returns 0; -1 if this build has no AVX-512 path or the shape has no
- * instance (the caller then keeps SDPA); -2 if scratch allocation failed.
+ * instance (the caller then keeps SDPA); -2 if scratch allocation failed;
+ * -3 if an item has no tokens or more than QB (nothing is written then).
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,6 +33,8 @@
 #define QB 16 /* query tokens per work item */
 #define MAX_G 8 /* query heads per KV head */
 #define MAX_ROWS (QB * MAX_G)
+
+int paged_prefill_tokens_per_item(void) { return QB; }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -192,6 +195,9 @@ int paged_prefill_attention(
     const int G = num_heads / num_kv_heads;
     if (G < 1 || G > MAX_G || G * num_kv_heads != num_heads || (head_dim != 64 && head_dim != 128))
         return -1;
+    for (int i = 0; i < num_items; i++)
+        if (item_count[i] < 1 || item_count[i] > QB)
+            return -3;
     const int64_t row_len = (int64_t)num_kv_heads * head_dim;
     const size_t scratch_floats = 2 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
     int failed = 0;
