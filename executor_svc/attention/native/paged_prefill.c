@@ -181,6 +181,8 @@ static void item_128(float *o, int64_t ot, int64_t oh, const float *q, int64_t q
     prefill_item(128, o, ot, oh, q, qt, qh, k, v, bf, tb, bs, rl, c, p, kv, G, sc, s);
 }
 
+#endif /* AVX-512 */
+
 /* Item i: query rows item_token[i] .. + item_count[i] - 1 (<= QB), at
  * positions item_pos[i] .., of the request in block-table row item_seq[i];
  * its K/V (positions 0 .. item_pos[i] + item_count[i] - 1) are in the cache. */
@@ -192,6 +194,7 @@ int paged_prefill_attention(
     const int64_t *item_token, const int32_t *item_count, const int32_t *item_pos, const int32_t *item_seq,
     int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads)
 {
+#if defined(__AVX512F__)
     const int G = num_heads / num_kv_heads;
     if (G < 1 || G > MAX_G || G * num_kv_heads != num_heads || (head_dim != 64 && head_dim != 128))
         return -1;
@@ -222,23 +225,11 @@ int paged_prefill_attention(
         free(scratch);
     }
     return failed ? -2 : 0;
-}
-
 #else /* no AVX-512: the caller keeps SDPA */
-
-int paged_prefill_attention(
-    float *out, int64_t out_tok_stride, int64_t out_head_stride,
-    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
-    const void *k_cache, const void *v_cache, int cache_bf16,
-    const int32_t *block_tables, int64_t block_table_stride,
-    const int64_t *item_token, const int32_t *item_count, const int32_t *item_pos, const int32_t *item_seq,
-    int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads)
-{
     (void)out; (void)out_tok_stride; (void)out_head_stride; (void)q; (void)q_tok_stride; (void)q_head_stride;
     (void)k_cache; (void)v_cache; (void)cache_bf16; (void)block_tables; (void)block_table_stride;
     (void)item_token; (void)item_count; (void)item_pos; (void)item_seq; (void)num_items; (void)num_heads;
     (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)num_threads;
     return -1;
-}
-
 #endif
+}
