@@ -24,13 +24,18 @@ log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
-def _cpu_signature() -> str:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_signature() -> str:
+    return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
 def _build_dir(source: str) -> str:
@@ -54,8 +59,11 @@ def _source_and_headers(source: str) -> bytes:
         if path in seen:
             return b""
         seen.add(path)
-        with open(path, "rb") as f:
-            code = f.read()
+        try:
+            with open(path, "rb") as f:
+                code = f.read()
+        except OSError:  # not beside its includer (found through -I, or in a dead #if): key on the name
+            return path.encode()
         headers = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', code, flags=re.MULTILINE)
         return code + b"".join(read(os.path.join(os.path.dirname(path), h.decode())) for h in headers)
 

@@ -347,6 +347,16 @@ def test_cpu_backend_decode_work_splits_match_reference(num_decodes, threads):
         torch.set_num_threads(before)
 
 
+def test_cpu_backend_copies_queries_whose_head_dim_is_strided():
+    """The kernels read unit-stride head rows; a query with a strided last
+    dimension must be made contiguous first, not read as if it were."""
+    batch = make_batch(mixed_shapes(16), block_size=16, num_kv_heads=3, group=3, head_dim=64, dtype=torch.float32,
+                       seed=23)
+    strided = batch.query.transpose(1, 2).contiguous().transpose(1, 2)  # same values, stride(2) != 1
+    assert strided.stride(2) != 1
+    assert_matches_reference(run_step(cpu_backend(), dataclasses.replace(batch, query=strided)), batch)
+
+
 def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
     batch = make_batch([(0, 5), (13, 1), (9, 3), (40, 1)], block_size=8, num_kv_heads=1, group=3, head_dim=64,
                        dtype=torch.float32, seed=22)
@@ -359,41 +369,41 @@ def test_cpu_backend_decodes_only_and_prefills_only():
         assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
-def native_prefill_available() -> bool:
+def native_prefill_expected() -> bool:
+    """Decided by the CPU and the compiler, not by asking the kernel: a kernel
+    that wrongly refused every shape must fail the tests below, not skip them."""
     from executor_svc.attention import native_kernel
+    from executor_svc.native_build import cpu_flags
 
-    fn = native_kernel.load_prefill()
-    if fn is None:
-        return False
-    batch = make_batch([(0, 3)], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=torch.float32, seed=0)
-    backend = cpu_backend()
-    run_step(backend, batch)
-    return TorchAttentionBackend.name not in batch.meta.extra  # SDPA's plan is built only on fallback
+    return "avx512f" in cpu_flags() and native_kernel.load_prefill() is not None
 
 
-needs_native_prefill = pytest.mark.skipif(not native_prefill_available(),
-                                          reason="the native prefill kernel needs AVX-512")
+needs_native_prefill = pytest.mark.skipif(not native_prefill_expected(),
+                                          reason="the native prefill kernel needs AVX-512 and a C compiler")
 
 
 @needs_native_prefill
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (64, 1)])
-def test_cpu_backend_prefills_run_natively_and_match_reference(dtype, head_dim, group):
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_cpu_backend_prefills_run_natively_and_match_reference(dtype, head_dim, group, block_size):
     """Long and chunked prefills (query blocks of 16 crossing blocks and the
     causal diagonal at every offset) through paged_prefill.c, not SDPA."""
     shapes = [(0, 300), (37, 45), (250, 17), (0, 2), (128, 16), (5, 1)]
-    batch = make_batch(shapes, block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype,
-                       seed=head_dim + group)
+    batch = make_batch(shapes, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype,
+                       seed=head_dim + group + block_size)
     out = run_step(cpu_backend(), batch)
     assert TorchAttentionBackend.name not in batch.meta.extra, "prefills fell back to SDPA"
     assert_matches_reference(out, batch)
 
 
 @needs_native_prefill
-def test_cpu_backend_prefills_of_unsupported_shapes_fall_back_to_sdpa():
-    """head_dim 32 has no native prefill instance: SDPA serves it, still correct."""
-    batch = make_batch(mixed_shapes(16), block_size=16, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
-                       seed=5)
+@pytest.mark.parametrize("head_dim,group", [(32, 2), (64, 9)])
+def test_cpu_backend_prefills_of_unsupported_shapes_fall_back_to_sdpa(head_dim, group):
+    """head_dim 32, or more than 8 query heads per KV head, have no native
+    prefill instance: SDPA serves them, still correct."""
+    batch = make_batch(mixed_shapes(16), block_size=16, num_kv_heads=2, group=group, head_dim=head_dim,
+                       dtype=torch.float32, seed=5)
     out = run_step(cpu_backend(), batch)
     assert TorchAttentionBackend.name in batch.meta.extra
     assert_matches_reference(out, batch)

@@ -33,7 +33,6 @@ _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decod
 class _Decodes:
     tokens: torch.Tensor  # [n] int64, query token of each decode
     seq_index: torch.Tensor  # [n] int32, its row in block_tables / seq_lens
-    compact_rows: torch.Tensor  # [n] int64, 0..n-1
     max_seq_len: int
 
 
@@ -68,7 +67,6 @@ class CpuAttentionBackend:
             decodes = _Decodes(
                 tokens=starts[index].to(torch.int64).contiguous(),
                 seq_index=index.to(torch.int32),
-                compact_rows=torch.arange(len(rows), dtype=torch.int64),
                 max_seq_len=max(meta.seq_lens_cpu[i] for i in rows),
             )
         meta.extra[self.name] = decodes
@@ -77,72 +75,81 @@ class CpuAttentionBackend:
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if self.name not in meta.extra:
             raise RuntimeError("CpuAttentionBackend.forward before prepare(meta) for this step")
-        if out is None:
-            out = query.new_empty(query.shape)
-        if any(q > 1 for q in meta.query_lens_cpu) and not self._native_prefills(query, k_cache, v_cache, meta, scale,
-                                                                                 out):
-            if self._prefills.name not in meta.extra:
-                self._prefills.prepare(meta)  # once per step, shared by the layers
-            out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
-        d = meta.extra[self.name]
-        if d is None:
-            return out
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = k_cache.shape[2]
         assert num_heads % num_kv_heads == 0 and num_heads <= _MAX_HEADS, (
-            f"{num_heads} query heads over {num_kv_heads} KV heads is not supported by the native kernel"
+            f"{num_heads} query heads over {num_kv_heads} KV heads is not supported by the native kernels"
         )
+        assert k_cache.shape[3] == head_dim, f"KV cache head_dim {k_cache.shape[3]} for queries of {head_dim}"
         assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
-        assert k_cache.dtype in (torch.float32, torch.bfloat16), f"KV cache dtype {k_cache.dtype}"
-        q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float()
-        # Float32 models write straight into `out`; others into a float32 buffer, cast after.
+        assert k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype, (
+            f"KV cache dtypes {k_cache.dtype}, {v_cache.dtype}"
+        )
+        if out is None:
+            out = query.new_empty(query.shape)
+        # The kernels read float32 queries with unit-stride heads (a view into
+        # a fused qkv row qualifies) and write float32: into `out` directly
+        # when it is float32 with unit-stride heads, else into a buffer cast after.
+        q = query.to(torch.float32)
+        if q.stride(2) != 1:
+            q = q.contiguous()
         direct = out.dtype == torch.float32 and out.stride(2) == 1
-        target = out if direct else torch.empty(d.tokens.numel(), num_heads, head_dim, dtype=torch.float32)
-        out_rows = d.tokens if direct else d.compact_rows
+        target = out if direct else torch.empty(q.shape, dtype=torch.float32)
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+        bf16 = int(k_cache.dtype == torch.bfloat16)
+
+        prefill_rows = None
+        if any(n > 1 for n in meta.query_lens_cpu):
+            prefill_rows = self._native_prefills(q, k_cache, v_cache, tables, bf16, meta, scale, target)
+            if prefill_rows is None:  # no native path for this shape or CPU: SDPA
+                if self._prefills.name not in meta.extra:
+                    self._prefills.prepare(meta)  # once per step, shared by the layers
+                out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
+            elif not direct:
+                out.index_copy_(0, prefill_rows, target.index_select(0, prefill_rows).to(out.dtype))
+
+        d = meta.extra[self.name]
+        if d is None:
+            return out
         seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
         status = self._kernel(
             target.data_ptr(), target.stride(0), target.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            k_cache.data_ptr(), v_cache.data_ptr(), bf16,
             tables.data_ptr(), tables.stride(0),
-            seq_lens.data_ptr(), d.tokens.data_ptr(), out_rows.data_ptr(), d.seq_index.data_ptr(), d.tokens.numel(),
+            seq_lens.data_ptr(), d.tokens.data_ptr(), d.tokens.data_ptr(), d.seq_index.data_ptr(), d.tokens.numel(),
             num_heads, num_kv_heads, head_dim, meta.block_size, d.max_seq_len,
             scale, torch.get_num_threads(),
         )
         if status != 0:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
         if not direct:
-            out.index_copy_(0, d.tokens, target.to(out.dtype))
+            out.index_copy_(0, d.tokens, target.index_select(0, d.tokens).to(out.dtype))
         return out
 
-    def _native_prefills(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> bool:
-        """Every prefill token's attention through the native kernel; False
-        (nothing written) where it has no path for this shape or CPU."""
+    def _native_prefills(self, q, k_cache, v_cache, tables, bf16: int, meta: AttentionMetadata, scale: float,
+                         target) -> torch.Tensor | None:
+        """Every prefill token's attention into `target` through the native
+        kernel; returns the prefill query rows, or None (nothing written)
+        where the kernel has no path for this shape or CPU."""
         items = meta.extra[self.name + ".prefill"]
         if items is None:
-            return False
-        q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float()
-        direct = out.dtype == torch.float32 and out.stride(2) == 1
-        target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+            return None
         status = self._prefill_kernel.attend(
             target.data_ptr(), target.stride(0), target.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            k_cache.data_ptr(), v_cache.data_ptr(), bf16,
             tables.data_ptr(), tables.stride(0),
             items.token.data_ptr(), items.count.data_ptr(), items.pos.data_ptr(), items.seq_index.data_ptr(),
-            items.token.numel(), query.shape[1], k_cache.shape[2], query.shape[2], meta.block_size,
+            items.token.numel(), q.shape[1], k_cache.shape[2], q.shape[2], meta.block_size,
             scale, torch.get_num_threads(),
         )
         if status == -1:
-            return False
-        assert status != -3, "prefill work items of no tokens or more than the kernel's tokens_per_item"
-        if status != 0:
+            return None
+        if status == -2:
             raise MemoryError("native prefill attention could not allocate its scratch buffers")
-        if not direct:
-            out.index_copy_(0, items.rows, target.index_select(0, items.rows).to(out.dtype))
-        return True
+        assert status == 0, f"native prefill attention rejected its work items (status {status})"
+        return items.rows
 
 
 def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems | None:

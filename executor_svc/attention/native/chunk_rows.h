@@ -4,6 +4,10 @@
 #define PAGEDSERVE_CHUNK_ROWS_H
 #include <stdint.h>
 
+#ifndef CHUNK
+#error "define CHUNK (16) before including chunk_rows.h"
+#endif
+
 /* Element offsets of the rows (all KV heads) of tokens t0 .. t0+15, walking
  * the block table with a running (block, offset) instead of a division per
  * token. Past `len`, entries repeat the chunk's first row (scored, then

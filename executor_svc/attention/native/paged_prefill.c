@@ -195,6 +195,8 @@ int paged_prefill_attention(
     int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_threads)
 {
 #if defined(__AVX512F__)
+    if (num_kv_heads < 1)
+        return -1;
     const int G = num_heads / num_kv_heads;
     if (G < 1 || G > MAX_G || G * num_kv_heads != num_heads || (head_dim != 64 && head_dim != 128))
         return -1;
