@@ -45,6 +45,13 @@ class _PrefillItems:
     rows: torch.Tensor  # [num prefill tokens] int64, every prefill query row
 
 
+@dataclass
+class _StepPlan:
+    decodes: _Decodes | None
+    has_prefills: bool
+    prefills: _PrefillItems | None  # None without a native prefill kernel: SDPA
+
+
 class CpuAttentionBackend:
     name = "cpu"
 
@@ -56,24 +63,26 @@ class CpuAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)
-        meta.extra[self.name + ".prefill"] = (
-            None if self._prefill_kernel is None else _prefill_items(meta, self._prefill_kernel.tokens_per_item))
         meta.extra.pop(self._prefills.name, None)  # the SDPA plan is built only if a layer needs it
         rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-        starts = meta.query_start_loc
         decodes = None
         if rows:
             index = torch.tensor(rows, dtype=torch.int64)
             decodes = _Decodes(
-                tokens=starts[index].to(torch.int64).contiguous(),
+                tokens=meta.query_start_loc[index].to(torch.int64).contiguous(),
                 seq_index=index.to(torch.int32),
                 max_seq_len=max(meta.seq_lens_cpu[i] for i in rows),
             )
-        meta.extra[self.name] = decodes
+        has_prefills = len(rows) < len(meta.query_lens_cpu)
+        prefills = None
+        if has_prefills and self._prefill_kernel is not None:
+            prefills = _prefill_items(meta, self._prefill_kernel.tokens_per_item)
+        meta.extra[self.name] = _StepPlan(decodes, has_prefills, prefills)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.name not in meta.extra:
+        plan = meta.extra.get(self.name)
+        if plan is None:
             raise RuntimeError("CpuAttentionBackend.forward before prepare(meta) for this step")
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = k_cache.shape[2]
@@ -98,9 +107,9 @@ class CpuAttentionBackend:
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
         bf16 = int(k_cache.dtype == torch.bfloat16)
 
-        prefill_rows = None
-        if any(n > 1 for n in meta.query_lens_cpu):
-            prefill_rows = self._native_prefills(q, k_cache, v_cache, tables, bf16, meta, scale, target)
+        if plan.has_prefills:
+            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale,
+                                                 target)
             if prefill_rows is None:  # no native path for this shape or CPU: SDPA
                 if self._prefills.name not in meta.extra:
                     self._prefills.prepare(meta)  # once per step, shared by the layers
@@ -108,7 +117,7 @@ class CpuAttentionBackend:
             elif not direct:
                 out.index_copy_(0, prefill_rows, target.index_select(0, prefill_rows).to(out.dtype))
 
-        d = meta.extra[self.name]
+        d = plan.decodes
         if d is None:
             return out
         seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
@@ -127,12 +136,11 @@ class CpuAttentionBackend:
             out.index_copy_(0, d.tokens, target.index_select(0, d.tokens).to(out.dtype))
         return out
 
-    def _native_prefills(self, q, k_cache, v_cache, tables, bf16: int, meta: AttentionMetadata, scale: float,
-                         target) -> torch.Tensor | None:
+    def _native_prefills(self, items: _PrefillItems | None, q, k_cache, v_cache, tables, bf16: int,
+                         meta: AttentionMetadata, scale: float, target) -> torch.Tensor | None:
         """Every prefill token's attention into `target` through the native
         kernel; returns the prefill query rows, or None (nothing written)
-        where the kernel has no path for this shape or CPU."""
-        items = meta.extra[self.name + ".prefill"]
+        where there is no kernel or it has no path for this shape or CPU."""
         if items is None:
             return None
         status = self._prefill_kernel.attend(
@@ -152,7 +160,7 @@ class CpuAttentionBackend:
         return items.rows
 
 
-def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems | None:
+def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems:
     """Work items of up to n (16) query tokens over every prefill of the step
     (see the module docstring), latest positions first so the dynamic
     schedule ends on the cheapest items."""
@@ -166,8 +174,6 @@ def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems | None:
             count.append(min(n, q - k))
             pos.append(seq_len - q + k)
             seq.append(r)
-    if not token:
-        return None
     order = sorted(range(len(token)), key=lambda i: -pos[i])
     rows = [starts[r] + j for r, q in enumerate(meta.query_lens_cpu) if q > 1 for j in range(q)]
     return _PrefillItems(
