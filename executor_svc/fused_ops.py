@@ -36,11 +36,15 @@ def available(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and _lib() is not None
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows with unit stride along the last dimension (copied only if not)."""
+    assert x.dim() == 2, f"expected a [rows, width] tensor, got shape {tuple(x.shape)}"
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[rows, dim] -> x / sqrt(mean(x^2) + eps) * weight, a new tensor."""
-    assert x.dim() == 2, f"expected a [rows, dim] tensor, got shape {tuple(x.shape)}"
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _rows(x)
     assert weight.is_contiguous() and weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
     out = torch.empty(x.shape, dtype=torch.float32)
     _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
@@ -65,9 +69,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """[rows, 2 * inter] ([gate | up]) -> silu(gate) * up, a new tensor; None
     where the native build has no vector path (no AVX-512)."""
-    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, f"expected [rows, 2 * inter], got {tuple(gate_up.shape)}"
-    if gate_up.stride(1) != 1:
-        gate_up = gate_up.contiguous()
+    gate_up = _rows(gate_up)
+    assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=torch.float32)
     status = _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter,

@@ -70,9 +70,11 @@ void rope_f32(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const
 #include <immintrin.h>
 
 #include "exp512.h"
+#endif
 
 int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter, int num_threads)
 {
+#ifdef __AVX512F__
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
     for (int r = 0; r < rows; r++) {
         const float *g = gu + r * ld_gu, *u = g + inter;
@@ -85,11 +87,8 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
         }
     }
     return 0;
-}
 #else
-int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter, int num_threads)
-{
     (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)num_threads;
     return -1;
-}
 #endif
+}
