@@ -41,10 +41,11 @@ def kernel() -> _Kernel | None:
     return _Kernel(gemm, lib.packed_gemm_panel_width())
 
 
-# In this range of rows the packed kernel beats MKL (1.2-1.4x at 2-64 rows in a
-# decode step); at one row both read the weights at full bandwidth, and from
-# ~128 rows MKL is as fast or faster (docs/benchmarks.md, "Packed GEMM").
-PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 96
+# In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
+# at 8-256 rows, the linears of 30 layers); at one row both read the weights at
+# full bandwidth, and past one 256-row chunk the kernel re-reads every panel
+# from DRAM, where MKL is as fast or faster (docs/benchmarks.md, optimization log).
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,16 @@
  * into 24 FMAs. The B panel (K x 192 bytes) stays in L2 while all row tiles
  * of a chunk of MC rows pass over it, so each weight crosses from DRAM once
  * per chunk. Threads split the (row chunk, panel) pairs statically.
+ *
+ * Weights come cold from DRAM (a step reads each once), and the hardware
+ * prefetcher runs too few lines ahead to hide DRAM latency: left to it, the
+ * first row tile over a panel waits on memory while the others compute, so
+ * the two add up instead of overlapping. So while the row tiles pass over
+ * panel p, they prefetch panel p + 1, each tile an equal share of its lines
+ * spread evenly over its K steps:
+ *
+ *     panel p:    tile 0 | tile 1 | ... | tile T-1     (compute, from L2)
+ *     panel p+1:  1/T    | 1/T    | ... | 1/T          (prefetch, from DRAM)
  */
 #include <stdint.h>
 
@@ -34,7 +44,7 @@
 
 static inline __attribute__((always_inline)) void tile(
     int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel, const float *bias,
-    int K, int ncols)
+    int K, int ncols, const char *pf, int pf_lines)
 {
     /* ncols < NR only in the last panel: masks keep bias reads and C writes inside N. */
     __mmask16 mask[NV];
@@ -43,6 +53,7 @@ static inline __attribute__((always_inline)) void tile(
         mask[j] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
     }
     __m512 acc[MR][NV];
+    int pf_err = 0;
     for (int j = 0; j < NV; j++) {
         __m512 init = bias ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++)
@@ -52,6 +63,10 @@ static inline __attribute__((always_inline)) void tile(
     for (int k = 0; k < K; k++) {
         const float *w = panel + (int64_t)k * NR;
         _mm_prefetch((const char *)(w + PREFETCH_K * NR), _MM_HINT_T0);
+        /* pf_lines lines of the next panel over K steps, Bresenham style (a
+         * division per step would cost more than the prefetches save). */
+        for (pf_err += pf_lines; pf_err >= K; pf_err -= K, pf += 64)
+            _mm_prefetch(pf, _MM_HINT_T0);
         __m512 wv[NV];
         for (int j = 0; j < NV; j++)
             wv[j] = _mm512_loadu_ps(w + 16 * j);
@@ -69,17 +84,17 @@ static inline __attribute__((always_inline)) void tile(
 /* One instance per row count, so every tile's loops unroll and its
  * accumulators stay in registers. */
 static void tile_rows(int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel,
-                      const float *bias, int K, int ncols)
+                      const float *bias, int K, int ncols, const char *pf, int pf_lines)
 {
     switch (mr) {
-    case 8: tile(8, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 7: tile(7, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 6: tile(6, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 5: tile(5, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 4: tile(4, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 3: tile(3, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    case 2: tile(2, c_out, ldc, a, lda, panel, bias, K, ncols); break;
-    default: tile(1, c_out, ldc, a, lda, panel, bias, K, ncols); break;
+    case 8: tile(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 7: tile(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 6: tile(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 5: tile(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 4: tile(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 3: tile(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 2: tile(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    default: tile(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
     }
 }
 
@@ -98,9 +113,15 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const float *panel = packed + (int64_t)p * K * NR;
             const float *bias_p = bias ? bias + p * NR : 0;
-            for (int m = mc * MC; m < m_end; m += MR) {
+            /* The next panel's lines, shared out over this chunk's row tiles
+             * (none after the last panel; a chunk boundary re-reads panel 0 cold). */
+            const int num_tiles = (m_end - mc * MC + MR - 1) / MR;
+            const int share = p + 1 < panels ? K * NR * 4 / 64 / num_tiles : 0;
+            const char *next = (const char *)(panel + (int64_t)K * NR);
+            for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
-                tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols);
+                tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols,
+                          next + (int64_t)t * share * 64, share);
             }
         }
     return 0;
