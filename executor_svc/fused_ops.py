@@ -23,7 +23,7 @@ def _lib() -> ctypes.CDLL | None:
     lib = load_library(SOURCE)
     if lib is None:
         return None
-    lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
+    lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
     lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
     lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
     lib.silu_mul_f32.restype = _i32
@@ -44,11 +44,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[rows, dim] -> x / sqrt(mean(x^2) + eps) * weight, a new tensor."""
-    x = _rows(x)
+    return _rms_norm(_rows(x), None, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta in place (the residual add), then returns rms_norm(h): one pass.
+    h must be contiguous (it is updated where it lies)."""
+    assert h.is_contiguous() and h.dim() == 2 and delta.shape == h.shape, (
+        f"add_rms_norm: h {tuple(h.shape)} {h.stride()}, delta {tuple(delta.shape)}"
+    )
+    return _rms_norm(h, _rows(delta), weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert weight.is_contiguous() and weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
     out = torch.empty(x.shape, dtype=torch.float32)
-    _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
-                        x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+                        weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 

@@ -14,6 +14,10 @@ the attention backend and attends over everything cached so far:
         h = h + (silu(gate) * up) @ W_down
     return rms_norm(h)
 
+Each residual add is fused into the RMSNorm that follows it (`add_rms_norm`):
+a layer takes the residual stream h and the previous layer's last output
+`delta`, and returns them as (h, delta) for the next layer to add.
+
 Numerics follow transformers' Llama so greedy outputs match it token for
 token: RMSNorm normalises in float32 and rounds before the weight multiply,
 rotary uses the "rotate_half" layout with cos/sin computed in float32, and
@@ -97,6 +101,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add, in place (h += delta; nothing when delta is None), then rms_norm(h)."""
+    if delta is None:
+        return rms_norm(h, weight, eps)
+    if fused_ops.available(h) and h.is_contiguous():
+        return fused_ops.add_rms_norm(h, delta, weight, eps)  # one pass over h and delta
+    h += delta
+    return rms_norm(h, weight, eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -191,14 +205,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream h, previous layer's output delta or None) -> the same
+        pair for the next layer; h is updated in place."""
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
-        qkv = linear(rms_norm(h, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
+        x = add_rms_norm(h, delta, self.input_norm, self.eps)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         qkv = qkv.view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
         # q and k rotate together: one set of rope kernels for both.
         qk = apply_rope(qkv[:, :qk_heads], cos, sin_signed)
@@ -206,10 +224,11 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         self.attn_backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
-        h = h + self._reduce(linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
+        attn_out = self._reduce(linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
-        gate_up = linear(rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, None, self.packed.get("gate_up"))
-        return h + self._reduce(linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
+        x = add_rms_norm(h, attn_out, self.post_norm, self.eps)
+        gate_up = linear(x, self.gate_up_weight, None, self.packed.get("gate_up"))
+        return h, self._reduce(linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""
@@ -272,10 +291,10 @@ class LlamaForCausalLM(nn.Module):
         )
         cos = self.rope_cos[positions]
         sin_signed = self.rope_sin_signed[positions]
-        h = F.embedding(input_ids, self.embed_tokens)
+        h, delta = F.embedding(input_ids, self.embed_tokens), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin_signed, kv_cache, meta)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, delta = layer(h, delta, cos, sin_signed, kv_cache, meta)
+        return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""

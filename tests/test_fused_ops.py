@@ -40,6 +40,21 @@ def test_rms_norm_reads_row_strided_input():
                                reference_rms_norm(wide[:, :64], w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_add_rms_norm_adds_in_place_then_normalises(rows):
+    """h becomes exactly h + delta (torch's float32 add), and the result is the
+    plain fused RMSNorm of that sum, bit for bit; delta may be row-strided."""
+    gen = torch.Generator().manual_seed(rows)
+    h0, w = torch.randn(rows, 576, generator=gen) * 3, torch.randn(576, generator=gen)
+    delta = torch.randn(rows, 600, generator=gen)[:, :576]
+    h, delta0 = h0.clone(), delta.clone()
+    got = fused_ops.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(delta, delta0)
+    assert torch.equal(h, h0 + delta)
+    assert torch.equal(got, fused_ops.rms_norm(h0 + delta, w, 1e-5))
+    torch.testing.assert_close(got.double(), reference_rms_norm(h0 + delta, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 64), (7, 12, 64), (40, 3, 128), (5, 2, 10)])
 def test_rope_in_place_on_a_fused_qkv_view(tokens, heads, dim):
     """Rotates only the q/k heads of a [q | k | v] row, in place; v stays untouched."""

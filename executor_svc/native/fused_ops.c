@@ -1,5 +1,6 @@
 /* The elementwise steps of a decoder layer, each fused into one pass, for
- * float32 on CPU: RMSNorm, rotary embedding and the SwiGLU gate.
+ * float32 on CPU: RMSNorm (with the residual add before it), rotary embedding
+ * and the SwiGLU gate.
  *
  * In PyTorch, RMSNorm is five kernels (square, mean, add eps, rsqrt, two
  * multiplies), rotary embedding four (a concatenation for the rotated half,
@@ -14,14 +15,23 @@
 /* Rows per thread below which a parallel region costs more than it saves. */
 #define MIN_ROWS_PER_THREAD 8
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats. */
-void rms_norm_f32(float *out, int64_t ld_out, const float *x, int64_t ld_x, const float *w, int rows, int dim,
-                  float eps, int num_threads)
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats.
+ * With `delta`, the residual add comes first, in place: x[r] += delta[r],
+ * then x[r] is normalised. The row is still in L1 for the second loop, so
+ * the add costs no extra pass over memory (torch: one more kernel). */
+void rms_norm_f32(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta, int64_t ld_delta,
+                  const float *w, int rows, int dim, float eps, int num_threads)
 {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * ld_x;
+        float *xr = x + r * ld_x;
         float *o = out + r * ld_out;
+        if (delta) {
+            const float *dr = delta + r * ld_delta;
+#pragma omp simd
+            for (int d = 0; d < dim; d++)
+                xr[d] += dr[d];
+        }
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (int d = 0; d < dim; d++)
