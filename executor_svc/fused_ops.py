@@ -1,5 +1,6 @@
-"""RMSNorm, rotary embedding and the SwiGLU gate, each in one native pass
-(native/fused_ops.c), for float32 tensors on CPU.
+"""RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
+the sampler's row argmax, each in one native pass (native/fused_ops.c), for
+float32 tensors on CPU.
 
 `available(x)` says whether a tensor can take the native path; the model
 falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
@@ -27,6 +28,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
     lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
     lib.silu_mul_f32.restype = _i32
+    lib.argmax_rows_f32.argtypes = [_p, _p, _i64, _i32, _i32, _i32]
+    lib.argmax_rows_f32.restype = _i32
     for fn in (lib.rms_norm_f32, lib.rope_f32):
         fn.restype = None
     return lib
@@ -88,4 +91,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, inter, dtype=torch.float32)
     status = _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter,
                                  torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[rows, cols] -> int64 [rows], each row's first largest index (NaN
+    skipped); None where the native build has no vector path (no AVX-512)."""
+    x = _rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    status = _lib().argmax_rows_f32(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                                    torch.get_num_threads())
     return out if status == 0 else None

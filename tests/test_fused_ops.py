@@ -113,3 +113,29 @@ def test_silu_mul_reads_row_strided_input():
 def test_available_only_for_float32_cpu():
     assert fused_ops.available(torch.zeros(2))
     assert not fused_ops.available(torch.zeros(2, dtype=torch.bfloat16))
+
+
+needs_vector_argmax = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the native argmax needs AVX-512")
+
+
+@needs_vector_argmax
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_matches_torch_including_ties(cols):
+    """Small-integer values make many ties in every row: the first index wins, as in torch."""
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randint(-4, 5, (37, cols), generator=gen).float()
+    x[3] = float("-inf")  # nothing beats -inf: index 0, as torch
+    x[4, cols // 2] = float("inf")
+    got = fused_ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+@needs_vector_argmax
+def test_argmax_rows_reads_row_strided_input_and_skips_nan():
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(9, 70, generator=gen)
+    x = wide[:, :50]
+    assert torch.equal(fused_ops.argmax_rows(x), x.argmax(dim=-1))
+    wide[2, 0] = float("nan")
+    assert fused_ops.argmax_rows(x)[2] == x[2, 1:].argmax() + 1

@@ -1,6 +1,6 @@
 /* The elementwise steps of a decoder layer, each fused into one pass, for
  * float32 on CPU: RMSNorm (with the residual add before it), rotary embedding
- * and the SwiGLU gate.
+ * and the SwiGLU gate; and the greedy sampler's row argmax.
  *
  * In PyTorch, RMSNorm is five kernels (square, mean, add eps, rsqrt, two
  * multiplies), rotary embedding four (a concatenation for the rotated half,
@@ -99,6 +99,43 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
     return 0;
 #else
     (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* out[r] = the index of the largest x[r][i] (the first one on ties, as
+ * torch.argmax), for the greedy rows of a step's logits: torch's argmax over
+ * the last dimension ran ~9x slower than its max (2.4 ms for 64 x 49,152).
+ * Each lane keeps its own running maximum and where it first saw it (a
+ * strict > keeps the earliest); the lanes then agree on the largest value and
+ * the smallest index holding it. NaN compares false, so NaNs are skipped
+ * (torch would return a NaN's index); a row of only NaN gives 0. Returns -1
+ * where this build has no AVX-512 path, and the caller keeps torch's. */
+int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)
+{
+#ifdef __AVX512F__
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * ld_x;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i best_i = _mm512_setzero_si512();
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
+            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+        }
+        const float top = _mm512_reduce_max_ps(best);
+        const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        /* No lane beat -inf (every element NaN or -inf): index 0. */
+        out[r] = top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_top, best_i);
+    }
+    return 0;
+#else
+    (void)out; (void)x; (void)ld_x; (void)rows; (void)cols; (void)num_threads;
     return -1;
 #endif
 }
