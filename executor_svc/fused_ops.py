@@ -53,8 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta in place (the residual add), then returns rms_norm(h): one pass.
     h must be contiguous (it is updated where it lies)."""
-    assert h.is_contiguous() and h.dim() == 2 and delta.shape == h.shape, (
-        f"add_rms_norm: h {tuple(h.shape)} {h.stride()}, delta {tuple(delta.shape)}"
+    assert h.is_contiguous() and h.dim() == 2 and delta.shape == h.shape and available(delta), (
+        f"add_rms_norm: h {tuple(h.shape)} {h.stride()}, delta {tuple(delta.shape)} {delta.dtype} {delta.device}"
     )
     return _rms_norm(h, _rows(delta), weight, eps)
 
@@ -95,8 +95,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """[rows, cols] -> int64 [rows], each row's first largest index (NaN
-    skipped); None where the native build has no vector path (no AVX-512)."""
+    """[rows, cols] -> int64 [rows], each row's first largest index, or its
+    first NaN's (as torch.argmax); None where the native build has no vector
+    path (no AVX-512)."""
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     status = _lib().argmax_rows_f32(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],

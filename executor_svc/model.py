@@ -107,7 +107,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """The residual add, in place (h += delta; nothing when delta is None), then rms_norm(h)."""
     if delta is None:
         return rms_norm(h, weight, eps)
-    if fused_ops.available(h) and h.is_contiguous():
+    if fused_ops.available(h) and fused_ops.available(delta) and h.is_contiguous():
         return fused_ops.add_rms_norm(h, delta, weight, eps)  # one pass over h and delta
     h += delta
     return rms_norm(h, weight, eps)

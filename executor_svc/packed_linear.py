@@ -2,8 +2,8 @@
 
 `pack(weight)` copies an [out, in] float32 weight once, at load, into the
 panel order the kernel reads; `linear(x, weight, bias, panels)` multiplies
-through the kernel for decode-sized inputs and through F.linear (MKL) for
-larger ones, so the model keeps both copies: the packed one costs as much
+through the kernel for 2-256 rows (decode batches, short prefill chunks)
+and through F.linear (MKL) otherwise, so the model keeps both copies: the packed one costs as much
 memory as the linear weights themselves. The model packs only where the
 kernel was built (x86 with AVX-512) and the weights are float32 on CPU.
 """
@@ -43,8 +43,8 @@ def kernel() -> _Kernel | None:
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
 # at 8-256 rows, the linears of 30 layers); at one row both read the weights at
-# full bandwidth, and past one 256-row chunk the kernel re-reads every panel
-# from DRAM, where MKL is as fast or faster (docs/benchmarks.md, optimization log).
+# full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
+# fast or faster (docs/benchmarks.md, optimization log).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 
 

@@ -296,8 +296,9 @@ def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest index: native on float32 CPU (torch's argmax
-    over a row of logits is ~9x slower than its max), torch elsewhere."""
+    """Each row's first largest index (or first NaN's), as torch.argmax: native
+    on float32 CPU (torch's argmax over a row of logits is ~9x slower than its
+    max), torch elsewhere."""
     if x.dim() == 2 and fused_ops.available(x):
         tokens = fused_ops.argmax_rows(x)
         if tokens is not None:

@@ -132,10 +132,22 @@ def test_argmax_rows_matches_torch_including_ties(cols):
 
 
 @needs_vector_argmax
-def test_argmax_rows_reads_row_strided_input_and_skips_nan():
+def test_argmax_rows_reads_row_strided_input():
     gen = torch.Generator().manual_seed(0)
-    wide = torch.randn(9, 70, generator=gen)
-    x = wide[:, :50]
+    x = torch.randn(9, 70, generator=gen)[:, :50]
     assert torch.equal(fused_ops.argmax_rows(x), x.argmax(dim=-1))
-    wide[2, 0] = float("nan")
-    assert fused_ops.argmax_rows(x)[2] == x[2, 1:].argmax() + 1
+
+
+@needs_vector_argmax
+def test_argmax_rows_returns_the_first_nan_as_torch():
+    """A NaN anywhere wins, the first one if several: in a later lane than the
+    maximum, in the masked tail, after -inf, and two NaNs in one row."""
+    x = torch.zeros(5, 37)
+    x[0, 3], x[0, 20] = 9.0, float("nan")
+    x[1, 36] = float("nan")
+    x[2, 0], x[2, 1] = float("-inf"), float("nan")
+    x[2, 2:] = float("-inf")
+    x[3, 30], x[3, 7] = float("nan"), float("nan")
+    want = x.argmax(dim=-1)
+    assert want.tolist() == [20, 36, 1, 7, 0]
+    assert torch.equal(fused_ops.argmax_rows(x), want)

@@ -25,7 +25,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5 * k**0.5 * 4)
 
 
-@pytest.mark.parametrize("rows", [2, 7, 8, 9, 64, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [2, 7, 8, 9, 64, 100, PACKED_MAX_ROWS - 1, PACKED_MAX_ROWS])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_reference(rows, shape, with_bias):
@@ -47,6 +47,17 @@ def test_kernel_writes_exactly_its_outputs():
     assert kern.gemm(out.data_ptr(), ldc, x.data_ptr(), k, pack(w).data_ptr(), bias.data_ptr(), m, n, k, 2) == 0
     assert_close(out[:, :n], reference(x, w, bias), k)
     assert out[:, n:].isnan().all()
+
+
+def test_kernel_over_several_row_chunks():
+    """Called directly past linear()'s range: 600 rows are three 256-row chunks
+    (the last partial), shared out between the threads with the panels."""
+    n, k, m = 200, 96, 600
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    out = torch.full((m, n), float("nan"))
+    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, pack(w).data_ptr(), None, m, n, k, 2) == 0
+    assert_close(out, reference(x, w, None), k)
 
 
 def test_strided_inputs():

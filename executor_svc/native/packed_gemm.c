@@ -2,11 +2,13 @@
  *
  *     C[M, N] = A[M, K] @ W[N, K]^T (+ bias[N])
  *
- * Why not MKL: a decode step multiplies 8-64 rows by weights that are far
+ * Why not MKL: a decode step multiplies 8-256 rows by weights that are far
  * larger than the caches, and MKL re-packs its B operand on every call; for
  * so few rows that packing costs about as much as the arithmetic. Packing
- * once, at load, into the order this kernel reads gives 1.3-1.5x at 8-64 rows
- * and parity with MKL from ~256 rows on (docs/benchmarks.md).
+ * once, at load, into the order this kernel reads (and prefetching the next
+ * panel, below) gives 1.2-1.5x at 8-256 rows; past one MC-row chunk MKL is
+ * as fast, so packed_linear.py sends it only up to MC rows
+ * (docs/benchmarks.md).
  *
  * Packed layout: W is cut into panels of NR = 48 output columns (three zmm
  * registers); panel p holds W[48p .. 48p+47][0 .. K-1] transposed, k-major:
@@ -25,12 +27,18 @@
  * prefetcher runs too few lines ahead to hide DRAM latency: left to it, the
  * first row tile over a panel waits on memory while the others compute, so
  * the two add up instead of overlapping. So while the row tiles pass over
- * panel p, they prefetch panel p + 1, each tile an equal share of its lines
- * spread evenly over its K steps:
+ * panel p, they prefetch panel p + 1 when the same thread computes it next,
+ * each tile a 1/T share of its lines spread evenly over its K steps:
  *
  *     panel p:    tile 0 | tile 1 | ... | tile T-1     (compute, from L2)
  *     panel p+1:  1/T    | 1/T    | ... | 1/T          (prefetch, from DRAM)
+ *
+ * Two panels must fit in L2 beside the row tiles' A rows, so panels over
+ * PREFETCH_MAX_PANEL bytes (K > 2048) are left to the hardware prefetcher:
+ * untried there, and a prefetch that evicts the current panel would cost
+ * more than it hides.
  */
+#include <omp.h>
 #include <stdint.h>
 
 #ifdef __AVX512F__
@@ -41,6 +49,7 @@
 #define MR 8           /* rows per register tile */
 #define MC 256         /* rows per chunk sharing one pass over the weights */
 #define PREFETCH_K 8   /* prefetch the panel this many k steps ahead */
+#define PREFETCH_MAX_PANEL (384 * 1024) /* bytes; larger panels are not prefetched ahead */
 
 static inline __attribute__((always_inline)) void tile(
     int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel, const float *bias,
@@ -106,17 +115,24 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
 {
     const int panels = (N + NR - 1) / NR;
     const int chunks = (M + MC - 1) / MC;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
-    for (int mc = 0; mc < chunks; mc++)
-        for (int p = 0; p < panels; p++) {
+    const int64_t panel_bytes = (int64_t)K * NR * 4;
+    /* Each thread takes one contiguous run of the (row chunk, panel) pairs,
+     * as a static schedule would, but knows where its run ends: the panel
+     * after its last one belongs to another thread, which reads it itself. */
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t items = (int64_t)chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
+        for (int64_t it = begin; it < end; it++) {
+            const int mc = (int)(it / panels), p = (int)(it % panels);
             const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const float *panel = packed + (int64_t)p * K * NR;
             const float *bias_p = bias ? bias + p * NR : 0;
-            /* The next panel's lines, shared out over this chunk's row tiles
-             * (none after the last panel; a chunk boundary re-reads panel 0 cold). */
+            /* The next panel's lines, shared out over this chunk's row tiles. */
             const int num_tiles = (m_end - mc * MC + MR - 1) / MR;
-            const int share = p + 1 < panels ? K * NR * 4 / 64 / num_tiles : 0;
+            const int prefetch = it + 1 < end && p + 1 < panels && panel_bytes <= PREFETCH_MAX_PANEL;
+            const int share = prefetch ? (int)(panel_bytes / 64 / num_tiles) : 0;
             const char *next = (const char *)(panel + (int64_t)K * NR);
             for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
@@ -124,6 +140,7 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
                           next + (int64_t)t * share * 64, share);
             }
         }
+    }
     return 0;
 }
 
