@@ -1,12 +1,16 @@
-"""Decode and prefill step time with --cpu-gemm native vs torch, interleaved in one process.
+"""Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
-    .venv/bin/python -m bench.cpu_gemm_ab [--rounds 5] [--num-threads 2]
+    .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks] [--rounds 5] [--num-threads 2]
+        [--batch-sizes 1,8,16,32,64,128]
 
-Loads the embedded model twice (the packed-GEMM executor and the MKL one) and
-times the same rows as bench.forward_sweep (decode batches at one context, a
-64-decode step at a longer context, an 8 x 256-token prefill), alternating
-the two executors round by round so that load from other processes falls on
-both alike. Prints the median step time of each and their ratio.
+--setting cpu-gemm (default) compares --cpu-gemm native (the packed kernel)
+with torch (MKL); --setting gguf-blocks compares --gguf-blocks auto (small
+batches read the GGUF's Q4_1/Q8_0 blocks) with off (float32 panels only).
+Loads the embedded model twice, one executor per value, and times the same
+rows as bench.forward_sweep (decode batches at one context, a 64-decode step
+at a longer context, an 8 x 256-token prefill), alternating the two
+executors round by round so that load from other processes falls on both
+alike. Prints the median step time of each and their ratio.
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker
 from shared.logging import configure_logging
 
+# --setting: (ExecutorConfig field, (value under test, value it is compared with))
+SETTINGS = {"cpu-gemm": ("cpu_gemm", ("native", "torch")), "gguf-blocks": ("gguf_blocks", ("auto", "off"))}
+
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="cpu-gemm")
     p.add_argument("--rounds", type=int, default=5, help="alternations; each times 2 steps per executor and row")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,8,16,32,64,128")
@@ -34,15 +42,17 @@ def main(argv=None) -> None:
     rows = [dict(sweep="batch", batch=int(b), context=256, new=1) for b in a.batch_sizes.split(",")]
     rows += [dict(sweep="context", batch=64, context=512, new=1), dict(sweep="prefill", batch=8, context=256, new=256)]
     gib = kv_gib_needed(open_checkpoint(None)[0].config, torch.float32, rows)
+    field, (new, old) = SETTINGS[a.setting]
     executors = {}
-    for gemm in ("native", "torch"):
-        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads, cpu_gemm=gemm))
+    for gemm in (new, old):
+        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads, **{field: gemm}))
         worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
                          max_num_seqs=max(r["batch"] for r in rows))
         timed = worker.runner.model = TimedModel(worker.runner.model)
         executors[gemm] = (worker, timed)
     steps, gen = itertools.count(1), torch.Generator().manual_seed(0)
-    print(f"{'row':22} {'native ms':>10} {'torch ms':>10} {'torch/native':>13}")
+    print(f"--{a.setting}: {new} vs {old}")
+    print(f"{'row':22} {new + ' ms':>10} {old + ' ms':>10} {old + '/' + new:>13}")
     for row in rows:
         ms = {gemm: [] for gemm in executors}
         for r in range(a.rounds):
@@ -51,7 +61,7 @@ def main(argv=None) -> None:
                 ms[gemm].append(1e3 * time_row(worker, timed, row, 2, steps, gen)[0])
         med = {gemm: statistics.median(v) for gemm, v in ms.items()}
         label = f"{row['sweep']} {row['batch']}x{row['context']}"
-        print(f"{label:22} {med['native']:10.1f} {med['torch']:10.1f} {med['torch'] / med['native']:12.2f}x", flush=True)
+        print(f"{label:22} {med[new]:10.1f} {med[old]:10.1f} {med[old] / med[new]:12.2f}x", flush=True)
 
 
 if __name__ == "__main__":

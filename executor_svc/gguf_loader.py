@@ -14,6 +14,9 @@ its rope pairs adjacent elements (GPT-J style) where HF pairs element i with
 i + head_dim/2. Within each head, HF row (j, i) [j in 0..1, i in 0..D/2]
 becomes GGUF row (i, j); we apply the inverse, as transformers' GGUF loader
 does. Qwen2 files are not permuted (llama.cpp runs them with NeoX rope).
+
+`blocks(name)` hands out a Q4_1 or Q8_0 weight still in its blocks, for the
+native GEMM that reads them as they are (packed_linear.pack_blocks).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from executor_svc.model_config import ModelConfig
+from executor_svc.packed_linear import BLOCK_FORMATS
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -70,29 +74,51 @@ class GGUFCheckpoint:
         shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self._tensors.items()}
         self.config = ModelConfig.from_gguf_metadata(self.metadata, shapes)
 
-    def tensor(self, hf_name: str) -> torch.Tensor:
-        """The dequantized float32 tensor HF calls `hf_name`; ValueError if the file lacks it."""
+    def _entry(self, hf_name: str):
         name = gguf_tensor_name(hf_name)
         if name is None or name not in self._tensors:
             raise ValueError(f"{self.path}: missing tensor {hf_name!r} (GGUF name {name!r})")
-        entry = self._tensors[name]
+        return name, self._tensors[name]
+
+    def _rope_heads(self, name: str) -> int | None:
+        """Heads of a Q or K projection whose rows llama.cpp permuted; None for any other tensor."""
+        if self.config.architecture == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            cfg = self.config
+            return cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
+        return None
+
+    def blocks(self, hf_name: str) -> tuple[str, torch.Tensor] | None:
+        """(kind, uint8 [rows, in / 32, block bytes]): a Q4_1 or Q8_0 weight's
+        GGUF blocks, rows in HF order; None for any other storage type (the
+        packed GEMM's block panels, packed_linear.pack_blocks)."""
+        name, entry = self._entry(hf_name)
+        kind = entry.tensor_type.name
+        if kind not in BLOCK_FORMATS or len(entry.shape) != 2:
+            return None
+        block_bytes = BLOCK_FORMATS[kind][1]
+        rows = np.asarray(entry.data)
+        rows = torch.from_numpy(rows.reshape(rows.shape[0], -1, block_bytes).copy())
+        heads = self._rope_heads(name)
+        return kind, rows if heads is None else _unpermute_rope_rows(rows, heads)
+
+    def tensor(self, hf_name: str) -> torch.Tensor:
+        """The dequantized float32 tensor HF calls `hf_name`; ValueError if the file lacks it."""
+        name, entry = self._entry(hf_name)
         array = gguf.quants.dequantize(entry.data, entry.tensor_type)
         if not array.flags.writeable:  # unquantized tensors come back as views of the memory map
             array = np.array(array)
         weight = torch.from_numpy(array)
         assert weight.dtype == torch.float32, f"dequantize gave {weight.dtype} for {name}"
-        if self.config.architecture == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
-            cfg = self.config
-            heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
-            weight = _unpermute_rope_rows(weight, heads)
-        return weight
+        heads = self._rope_heads(name)
+        return weight if heads is None else _unpermute_rope_rows(weight, heads)
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rows, cols = weight.shape
+    """Rows reordered; any trailing dimensions (columns, or a row's blocks) move with their row."""
+    rows, rest = weight.shape[0], weight.shape[1:]
     half = rows // num_heads // 2
     assert half * 2 * num_heads == rows, f"{rows} rows do not split into {num_heads} heads of even size"
-    return weight.view(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return weight.view(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
 def _scalar_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from torch import nn
 from executor_svc import fused_ops
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import linear, pack
+from executor_svc.packed_linear import BLOCK_K, PackedWeight, linear, pack, pack_blocks
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -200,7 +200,7 @@ class DecoderLayer(nn.Module):
         self.down_weight = _empty_linear(hidden, inter, dtype=dtype, device=device)
         # Packed copies for the native CPU GEMM, by weight name ("qkv", "o",
         # "gate_up", "down"); empty unless pack_linear_weights() ran.
-        self.packed: dict[str, torch.Tensor] = {}
+        self.packed: dict[str, PackedWeight] = {}
 
     def forward(
         self,
@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         # for the head's faster GEMM: vocab x hidden more memory there. Not a
         # parameter: state dicts keep the checkpoint's tensors only.
         self._tied_head: torch.Tensor | None = None
-        self._head_packed: torch.Tensor | None = None  # pack_linear_weights()
+        self._head_packed: PackedWeight | None = None  # pack_linear_weights()
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
@@ -352,13 +352,58 @@ class LlamaForCausalLM(nn.Module):
             fill(layer.down_weight, p + "mlp.down_proj.weight", split=1)
 
     @torch.no_grad()
-    def pack_linear_weights(self) -> None:
+    def pack_linear_weights(self, blocks: Callable[[str], tuple[str, torch.Tensor] | None] | None = None) -> None:
         """Adds the native CPU GEMM's packed copy of every linear weight and of
         the head (packed_linear.py), after load_weights, on float32 CPU models
-        where the kernel was built. It doubles the linear weights' memory."""
+        where the kernel was built. It doubles the linear weights' memory.
+
+        `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
+        weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
+        kernel's small-batch path: a fused weight only if all its parts are
+        blocks of one kind, and a row-parallel shard only if it starts on a
+        block boundary."""
         assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32, (
             f"packing needs a float32 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
         )
-        for layer in self.layers:
-            layer.packed = {name: pack(getattr(layer, f"{name}_weight")) for name in ("qkv", "o", "gate_up", "down")}
-        self._head_packed = pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            parts = {
+                "qkv": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], 0),
+                "o": ([p + "self_attn.o_proj.weight"], 1),
+                "gate_up": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 0),
+                "down": ([p + "mlp.down_proj.weight"], 1),
+            }
+            layer.packed = {}
+            for name, (names, split) in parts.items():
+                weight = getattr(layer, f"{name}_weight")
+                layer.packed[name] = PackedWeight(pack(weight), self._block_panels(blocks, names, split, weight))
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head))
+
+    def block_panel_bytes(self) -> int:
+        """Bytes of weights kept in GGUF blocks for the packed GEMM (0 without them)."""
+        packed = [p for layer in self.layers for p in layer.packed.values()] + [self._head_packed]
+        return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
+
+    def _block_panels(self, blocks, names: list[str], split: int | None, weight: torch.Tensor):
+        """This rank's share of the named weights' GGUF blocks, concatenated by
+        rows and packed; None where any part is not in blocks (see above)."""
+        if blocks is None:
+            return None
+        found = [blocks(name) for name in names]
+        if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
+            return None
+        shares = []
+        for _, rows in found:
+            if split is not None and self.tp_size > 1:
+                if rows.shape[split] % self.tp_size:
+                    return None  # a shard boundary inside a block
+                share = rows.shape[split] // self.tp_size
+                rows = rows.narrow(split, self.tp_rank * share, share)
+            shares.append(rows)
+        rows = torch.cat(shares)
+        assert (rows.shape[0], rows.shape[1] * BLOCK_K) == tuple(weight.shape), (
+            f"{names}: blocks {tuple(rows.shape)} do not hold a {tuple(weight.shape)} weight"
+        )
+        return pack_blocks(found[0][0], rows)

@@ -54,16 +54,18 @@ def open_checkpoint(path: str | None):
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
+    gguf_blocks: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
-    not to (followers never serve), its tokenizer. `packed_gemm` swaps the
-    linear weights for the native kernel's packed form (packed_linear.py);
-    the caller checks that the kernel is available and the model is float32
-    on CPU."""
+    not to (followers never serve), its tokenizer. `packed_gemm` adds the
+    native kernel's packed form of the linear weights (packed_linear.py),
+    and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; the
+    caller checks that the kernel is available and the model is float32 on
+    CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
     if packed_gemm:
-        model.pack_linear_weights()
+        model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

@@ -6,6 +6,13 @@ through the kernel for 2-256 rows (decode batches, short prefill chunks)
 and through F.linear (MKL) otherwise, so the model keeps both copies: the packed one costs as much
 memory as the linear weights themselves. The model packs only where the
 kernel was built (x86 with AVX-512) and the weights are float32 on CPU.
+
+`pack_blocks(rows)` instead keeps a GGUF Q4_1 or Q8_0 weight in its blocks
+(4.5 or 8.5 bits per weight), regrouped into panel order; the kernel expands
+each panel to float32 in L2 as it goes, to the same values a float32 load
+holds, so the outputs are the float32 path's bit for bit while a decode step
+reads 4-7x fewer bytes of weights. With block panels the kernel also takes
+single rows, which only stream weights.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +34,7 @@ _i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 @dataclass(frozen=True)
 class _Kernel:
     gemm: ctypes._CFuncPtr
+    gemm_blocks: ctypes._CFuncPtr
     panel_width: int  # output columns per packed panel
 
 
@@ -38,7 +47,10 @@ def kernel() -> _Kernel | None:
     gemm = lib.packed_gemm
     gemm.argtypes = [_p, _i64, _p, _i64, _p, _p, _i32, _i32, _i32, _i32]
     gemm.restype = _i32
-    return _Kernel(gemm, lib.packed_gemm_panel_width())
+    gemm_blocks = lib.packed_gemm_quant
+    gemm_blocks.argtypes = [_p, _i64, _p, _i64, _p, _i32, _p, _i32, _i32, _i32, _i32]
+    gemm_blocks.restype = _i32
+    return _Kernel(gemm, gemm_blocks, lib.packed_gemm_panel_width())
 
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
@@ -46,6 +58,60 @@ def kernel() -> _Kernel | None:
 # full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
 # fast or faster (docs/benchmarks.md, optimization log).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
+# Block panels read 4-7x fewer bytes but expand them on every call: they win
+# while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even
+# with the float32 panels (whose stream the prefetch hides) from ~32 rows on.
+BLOCKS_MAX_ROWS = 32
+
+# GGUF block formats the kernel reads: its format code, and the bytes of one
+# block of 32 weights in the file (ggml's block_q4_1: f16 d, f16 m, 16 bytes
+# of 4-bit codes, k = j in the low nibble of byte j and k = j + 16 in its high
+# one; block_q8_0: f16 d, 32 int8 codes).
+BLOCK_FORMATS = {"Q4_1": (1, 20), "Q8_0": (2, 34)}
+BLOCK_K = 32
+
+
+@dataclass(frozen=True)
+class BlockPanels:
+    """An [out, in] weight in its GGUF blocks, in the kernel's panel order."""
+
+    data: torch.Tensor  # uint8 [panels, in // 32, bytes per panel block]
+    kind: str  # "Q4_1" or "Q8_0"
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
+    """rows: uint8 [out, in // 32, block bytes], each output row's GGUF blocks
+    in k order. Regroups them so that one block of one panel of 48 columns is
+    contiguous (layout in packed_gemm.c); rows past `out` are zero, which
+    expands to zero weights."""
+    k = kernel()
+    assert k is not None, "pack_blocks() called where the packed GEMM kernel is unavailable"
+    assert kind in BLOCK_FORMATS, f"no block kernel for {kind!r}"
+    block_bytes = BLOCK_FORMATS[kind][1]
+    assert rows.dtype == torch.uint8 and rows.dim() == 3 and rows.shape[2] == block_bytes, (
+        f"{kind} rows must be uint8 [out, in/32, {block_bytes}], got {rows.dtype} {tuple(rows.shape)}"
+    )
+    out_features, num_blocks, _ = rows.shape
+    width = k.panel_width
+    num_panels = -(-out_features // width)
+    blocks = np.zeros((num_panels * width, num_blocks, block_bytes), dtype=np.uint8)
+    blocks[:out_features] = rows.numpy()
+    # [panel, column, block, byte] -> per (panel, block): each field column-minor.
+    blocks = blocks.reshape(num_panels, width, num_blocks, block_bytes).transpose(0, 2, 1, 3)
+    d = blocks[..., 0:2]  # [panel, block, column, 2]: f16 scales, column after column
+    if kind == "Q4_1":
+        m, codes = blocks[..., 2:4], blocks[..., 4:]
+        fields = [d, m, codes.transpose(0, 1, 3, 2)]  # codes: [panel, block, byte j, column]
+    else:
+        fields = [d, blocks[..., 2:].transpose(0, 1, 3, 2)]
+    data = np.concatenate([f.reshape(num_panels, num_blocks, -1) for f in fields], axis=2)
+    return BlockPanels(torch.from_numpy(np.ascontiguousarray(data)), kind, out_features, num_blocks * BLOCK_K)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -64,27 +130,55 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """The kernel's copies of one [out, in] weight: float32 panels, and its GGUF blocks where the file has them."""
+
+    panels: torch.Tensor  # pack(weight)
+    blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
+
+
+def route(rows: int, packed: PackedWeight | None) -> str:
+    """Which GEMM multiplies `rows` rows: "blocks", "panels" or "torch" (MKL)."""
+    if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
+        return "blocks"
+    if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+        return "panels"
+    return "torch"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           panels: torch.Tensor | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """x [M, in] @ weight.T (+ bias) -> [M, out]: through the packed kernel
-    when `panels` (= pack(weight)) is given and M is small, else F.linear."""
-    if panels is None or not PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+    where `route` picks it, else F.linear. Block panels and float32 panels
+    give the same result bit for bit."""
+    how = route(x.shape[0], packed)
+    if how == "torch":
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
-    )
-    assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features, (
-        f"panels {tuple(panels.shape)} do not pack a {tuple(weight.shape)} weight"
     )
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         assert bias.is_contiguous() and bias.shape == (out_features,), f"bias shape {tuple(bias.shape)}"
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if x.shape[0] == 0:
-        return out
-    kernel().gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), panels.data_ptr(),
-                  None if bias is None else bias.data_ptr(), x.shape[0], out_features, in_features,
-                  torch.get_num_threads())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if how == "blocks":
+        blocks = packed.blocks
+        assert (blocks.out_features, blocks.in_features) == (out_features, in_features), (
+            f"block panels of a {blocks.out_features}x{blocks.in_features} weight used for {tuple(weight.shape)}"
+        )
+        status = kernel().gemm_blocks(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), blocks.data.data_ptr(),
+                                      BLOCK_FORMATS[blocks.kind][0], bias_ptr, x.shape[0], out_features, in_features,
+                                      torch.get_num_threads())
+        assert status == 0, f"packed_gemm_quant returned {status} for {blocks.kind} {out_features}x{in_features}"
+    else:
+        panels = packed.panels
+        assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features, (
+            f"panels {tuple(panels.shape)} do not pack a {tuple(weight.shape)} weight"
+        )
+        kernel().gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), panels.data_ptr(), bias_ptr,
+                      x.shape[0], out_features, in_features, torch.get_num_threads())
     return out

@@ -102,7 +102,7 @@ class Worker:
         self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype)
         loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
                             tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver,
-                            packed_gemm=self.packed_gemm)
+                            packed_gemm=self.packed_gemm, gguf_blocks=config.gguf_blocks == "auto")
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap

@@ -247,9 +247,10 @@ def save_tiny_hf_model(kind: str, folder: str, seed: int = 0):
     return model
 
 
-def save_tiny_gguf(hf_model, path: str) -> None:
-    """Writes an HF Llama/Qwen2 model as an unquantized GGUF the way llama.cpp's
-    converter does, including its Q/K row permutation for Llama."""
+def save_tiny_gguf(hf_model, path: str, quantize: str | None = None) -> None:
+    """Writes an HF Llama/Qwen2 model as a GGUF the way llama.cpp's converter
+    does, including its Q/K row permutation for Llama: unquantized, or every
+    matrix quantized to `quantize` ("Q4_1", "Q8_0")."""
     cfg = hf_model.config
     arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -278,7 +279,11 @@ def save_tiny_gguf(hf_model, path: str) -> None:
             heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads
             rows, cols = weight.shape
             weight = weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-        writer.add_tensor(gguf_name, weight.copy())
+        if quantize and weight.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quantize]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, weight.copy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

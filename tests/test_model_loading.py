@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from executor_svc import packed_linear
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import INDEX_FILE, HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import default_model_path, load_model
+from executor_svc.packed_linear import linear
 from executor_svc.tokenizer_info import TokenizerInfo
 from model_utils import PagedEngine, hf_greedy, load_hf_folder, make_backend, save_tiny_gguf, save_tiny_hf_model
 
@@ -164,6 +168,70 @@ def test_gguf_written_like_llama_cpp_loads_like_hf(tmp_path, kind):
     model.load_weights(checkpoint.tensor)
     prompt = [3, 141, 59, 26, 53, 58, 97, 93, 23]
     assert first_tokens(model, prompt, 8) == hf_greedy(hf_model, prompt, 8)[0]
+
+
+@pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_quantized_gguf_blocks_serve_the_float32_model(tmp_path, kind, quant):
+    """A quantized GGUF: its blocks (rows un-permuted like the dequantized
+    tensors) pack into block panels that multiply exactly like the float32
+    weights, and the model gives the same greedy tokens and logits with and
+    without them."""
+    hf_model = save_tiny_hf_model(kind, str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize=quant)
+    checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    found, rows = checkpoint.blocks(name)
+    assert found == quant
+    qtype = gguf.GGMLQuantizationType[quant]
+    dequantized = gguf.quants.dequantize(rows.reshape(rows.shape[0], -1).numpy(), qtype)
+    assert torch.equal(torch.from_numpy(np.array(dequantized)), checkpoint.tensor(name))
+    assert checkpoint.blocks("model.layers.0.input_layernorm.weight") is None  # float32 in the file
+
+    models = []
+    for blocks in (None, checkpoint.blocks):
+        model = LlamaForCausalLM(checkpoint.config, make_backend("cpu"))
+        model.load_weights(checkpoint.tensor)
+        model.pack_linear_weights(blocks)
+        models.append(model)
+    plain, with_blocks = models
+    assert plain.layers[0].packed["qkv"].blocks is None
+    assert all(p.blocks is not None for layer in with_blocks.layers for p in layer.packed.values())
+    assert with_blocks._head_packed.blocks is not None
+    logits = []
+    for model in models:
+        engine = PagedEngine(model, num_blocks=32, block_size=16)
+        seqs = [engine.add([3, 141, 59, 26, 53, 58, 97, 93, 23]), engine.add([5, 6, 7])]
+        work = [(s, len(s.token_ids)) for s in seqs]
+        steps = []
+        for _ in range(6):  # a prefill of 12 rows, then decodes of 2: all on the block path
+            steps.append(engine.step(work))
+            for seq, token in zip(seqs, steps[-1].argmax(-1).tolist()):
+                seq.token_ids.append(token)
+            work = [(s, 1) for s in seqs]
+        logits.append(torch.stack(steps))
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+def test_block_panels_hold_each_tensor_parallel_share(tmp_path):
+    """Rank 1 of 2 keeps its rows of q/k/v and gate/up and its columns of o;
+    down's columns (intermediate 160 / 2 = 80) would split a 32-wide block,
+    so it keeps float32 panels only. Multiplying the identity reads each
+    packed weight back exactly."""
+    hf_model = save_tiny_hf_model("llama_tied", str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize="Q8_0")
+    checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
+    model = LlamaForCausalLM(checkpoint.config, make_backend("dense"), tp_rank=1, tp_size=2)
+    model.load_weights(checkpoint.tensor)
+    model.pack_linear_weights(checkpoint.blocks)
+    layer = model.layers[1]
+    assert layer.packed["down"].blocks is None
+    for name in ("qkv", "o", "gate_up"):
+        weight = getattr(layer, f"{name}_weight")
+        eye = torch.eye(weight.shape[1])[:7]
+        assert torch.equal(linear(eye, weight, None, layer.packed[name]), weight[:, :7].t())
 
 
 # --- tokenizer description ------------------------------------------------------------

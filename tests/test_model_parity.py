@@ -141,6 +141,24 @@ def test_smollm2_packed_gemm_matches_hf(smol):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+def test_smollm2_gguf_blocks_match_hf(smol):
+    """The serving default for the embedded GGUF: batches of up to 32 rows
+    read the Q4_1 layers and the Q8_0 head in their blocks."""
+    from executor_svc.gguf_loader import GGUFCheckpoint
+    from executor_svc.model_loader import default_model_path
+
+    ours, _, prompts, references = smol
+    model = same_weights(ours, make_backend("cpu"))
+    model.pack_linear_weights(GGUFCheckpoint(default_model_path()).blocks)
+    assert model.layers[0].packed["down"].blocks.kind == "Q4_1" and model._head_packed.blocks.kind == "Q8_0"
+    outs, first = greedy_batched(PagedEngine(model, num_blocks=32, block_size=16), prompts, NUM_NEW)
+    for out, (ref, ref_first, _), row in zip(outs, references, first):
+        assert out == ref
+        assert_top5_close(row, ref_first)
+
+
+@pytest.mark.slow
 def test_smollm2_bfloat16_runs_and_starts_like_float32(smol):
     ours, _, prompts, _ = smol
     num_new = 8

@@ -1,12 +1,25 @@
-"""The native packed GEMM (executor_svc/packed_linear.py) against a float64 reference."""
+"""The native packed GEMM (executor_svc/packed_linear.py) against a float64 reference,
+and its GGUF block path against its float32 path, bit for bit."""
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from executor_svc import packed_linear
-from executor_svc.packed_linear import PACKED_MAX_ROWS, PACKED_MIN_ROWS, linear, pack
+from executor_svc.packed_linear import (
+    BLOCK_FORMATS,
+    BLOCKS_MAX_ROWS,
+    PACKED_MAX_ROWS,
+    PACKED_MIN_ROWS,
+    PackedWeight,
+    linear,
+    pack,
+    pack_blocks,
+    route,
+)
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
 
@@ -33,7 +46,7 @@ def test_kernel_matches_reference(rows, shape, with_bias):
     n, k = shape
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
-    assert_close(linear(x, w, bias, pack(w)), reference(x, w, bias), k)
+    assert_close(linear(x, w, bias, PackedWeight(pack(w))), reference(x, w, bias), k)
 
 
 def test_kernel_writes_exactly_its_outputs():
@@ -67,7 +80,7 @@ def test_strided_inputs():
     rows_strided = wide[:, :40]  # row stride 47: passed to the kernel as its lda
     cols_strided = torch.randn(16, 80, generator=gen)[:, ::2]  # copied first
     for x in (rows_strided, cols_strided):
-        assert_close(linear(x, w, None, pack(w)), reference(x, w, None), 40)
+        assert_close(linear(x, w, None, PackedWeight(pack(w))), reference(x, w, None), 40)
 
 
 def test_packed_layout():
@@ -84,7 +97,7 @@ def test_rows_outside_the_packed_range_go_to_torch(rows):
     """One row and large batches are as fast or faster through MKL: same result as F.linear, bit for bit."""
     w, x = torch.randn(60, 32), torch.randn(rows, 32)
     assert PACKED_MIN_ROWS == 2
-    assert torch.equal(linear(x, w, None, pack(w)), F.linear(x, w))
+    assert torch.equal(linear(x, w, None, PackedWeight(pack(w))), F.linear(x, w))
 
 
 def test_empty_panels_mean_plain_linear():
@@ -105,3 +118,100 @@ def test_cpu_gemm_setting_resolves():
     assert parse_config(["--cpu-gemm", "torch"], environ={}).cpu_gemm == "torch"
     with pytest.raises(SystemExit):
         parse_config(["--cpu-gemm", "blas"], environ={})
+
+
+# --- GGUF block panels -------------------------------------------------------
+
+
+def quantized(kind: str, n: int, k: int, seed: int):
+    """(float32 weight as the loader dequantizes it, its GGUF rows [n, k/32, block bytes])."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w, qtype)
+    weight = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype)))
+    return weight, torch.from_numpy(raw.reshape(n, k // 32, BLOCK_FORMATS[kind][1]).copy())
+
+
+def float32_panels(x, weight, bias):
+    """The float32 panel kernel at any row count (linear() would send 1 row to MKL)."""
+    n, k = weight.shape
+    out = torch.empty(x.shape[0], n)
+    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, pack(weight).data_ptr(),
+                                       None if bias is None else bias.data_ptr(), x.shape[0], n, k, 2) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", [(5, 32), (50, 64), (960, 576), (100, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, BLOCKS_MAX_ROWS])
+def test_block_panels_give_the_float32_result_bit_for_bit(kind, shape, rows):
+    """The kernel expands each block to exactly the loader's float32 weights
+    and keeps the float32 path's order of FMAs (partial sums stored and
+    reloaded between slices of k), so the two agree in every bit."""
+    n, k = shape
+    weight, raw = quantized(kind, n, k, seed=rows + n)
+    gen = torch.Generator().manual_seed(n * rows)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    packed = PackedWeight(pack(weight), pack_blocks(kind, raw))
+    assert route(rows, packed) == "blocks"
+    for b in (None, bias):
+        got = linear(x, weight, b, packed)
+        assert torch.equal(got, float32_panels(x, weight, b))
+        assert_close(got, reference(x, weight, b), k)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_kernel_writes_exactly_its_outputs_over_several_chunks(kind):
+    """Called directly: 600 rows are three row chunks; C has a wider row
+    stride than N, poisoned, and only the [M, N] part may be written."""
+    n, k, m, ldc = 53, 96, 600, 61
+    weight, raw = quantized(kind, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
+    out = torch.full((m, ldc), float("nan"))
+    blocks = pack_blocks(kind, raw)
+    assert packed_linear.kernel().gemm_blocks(out.data_ptr(), ldc, x.data_ptr(), k, blocks.data.data_ptr(),
+                                              BLOCK_FORMATS[kind][0], None, m, n, k, 2) == 0
+    assert torch.equal(out[:, :n], float32_panels(x, weight, None))
+    assert out[:, n:].isnan().all()
+
+
+def test_block_kernel_rejects_what_it_cannot_read():
+    out, x, data = torch.empty(1, 48), torch.empty(1, 40), torch.zeros(1, 2, 960, dtype=torch.uint8)
+    kern = packed_linear.kernel()
+    assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 40, data.data_ptr(), 1, None, 1, 48, 40, 2) == -3  # K % 32
+    assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 7, None, 1, 48, 64, 2) == -3  # format
+
+
+def test_block_panel_layout():
+    """One block of one panel: the 48 columns' scales, then (Q4_1) minimums,
+    then the codes k-row by k-row; columns past `out` are zero."""
+    _, raw = quantized("Q4_1", 50, 64, seed=0)
+    blocks = pack_blocks("Q4_1", raw)
+    width = packed_linear.kernel().panel_width
+    assert blocks.data.shape == (2, 2, 960) and (blocks.out_features, blocks.in_features) == (50, 64)
+    row, block = 49, 1  # the last real column: panel 1, column 1
+    cell = blocks.data[row // width, block]
+    col = row % width
+    assert bytes(cell[2 * col : 2 * col + 2]) == bytes(raw[row, block, 0:2])  # d
+    assert bytes(cell[96 + 2 * col : 96 + 2 * col + 2]) == bytes(raw[row, block, 2:4])  # m
+    assert [int(cell[192 + j * width + col]) for j in range(16)] == raw[row, block, 4:].tolist()
+    assert (cell[192 + 2:192 + width] == 0).all()  # k row 0, columns 2.. of panel 1 do not exist
+
+
+def test_routes_by_row_count():
+    w = torch.randn(48, 32)
+    both = PackedWeight(pack(w), pack_blocks("Q8_0", quantized("Q8_0", 48, 32, seed=1)[1]))
+    floats = PackedWeight(pack(w))
+    assert [route(r, both) for r in (0, 1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1)] \
+        == ["torch", "blocks", "blocks", "panels", "panels", "torch"]
+    assert [route(r, floats) for r in (1, 2, BLOCKS_MAX_ROWS)] == ["torch", "panels", "panels"]
+    assert route(5, None) == "torch"
+
+
+def test_gguf_blocks_setting():
+    from executor_svc.config import parse_config
+
+    assert parse_config([], environ={}).gguf_blocks == "auto"
+    assert parse_config(["--gguf-blocks", "off"], environ={}).gguf_blocks == "off"
+    with pytest.raises(SystemExit):
+        parse_config(["--gguf-blocks", "sometimes"], environ={})

@@ -53,7 +53,7 @@
 
 static inline __attribute__((always_inline)) void tile(
     int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel, const float *bias,
-    int K, int ncols, const char *pf, int pf_lines)
+    int K, int ncols, const char *pf, int pf_lines, int accumulate)
 {
     /* ncols < NR only in the last panel: masks keep bias reads and C writes inside N. */
     __mmask16 mask[NV];
@@ -63,10 +63,11 @@ static inline __attribute__((always_inline)) void tile(
     }
     __m512 acc[MR][NV];
     int pf_err = 0;
+    /* accumulate: C already holds the sum over earlier k (the block path below). */
     for (int j = 0; j < NV; j++) {
         __m512 init = bias ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
         for (int i = 0; i < mr; i++)
-            acc[i][j] = init;
+            acc[i][j] = accumulate ? _mm512_maskz_loadu_ps(mask[j], c_out + i * ldc + 16 * j) : init;
     }
 #pragma GCC unroll 4
     for (int k = 0; k < K; k++) {
@@ -93,17 +94,17 @@ static inline __attribute__((always_inline)) void tile(
 /* One instance per row count, so every tile's loops unroll and its
  * accumulators stay in registers. */
 static void tile_rows(int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel,
-                      const float *bias, int K, int ncols, const char *pf, int pf_lines)
+                      const float *bias, int K, int ncols, const char *pf, int pf_lines, int accumulate)
 {
     switch (mr) {
-    case 8: tile(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 7: tile(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 6: tile(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 5: tile(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 4: tile(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 3: tile(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 2: tile(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    default: tile(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 8: tile(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 7: tile(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 6: tile(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 5: tile(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 4: tile(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 3: tile(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    case 2: tile(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
+    default: tile(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, accumulate); break;
     }
 }
 
@@ -137,10 +138,128 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
             for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
                 tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols,
-                          next + (int64_t)t * share * 64, share);
+                          next + (int64_t)t * share * 64, share, 0);
             }
         }
     }
+    return 0;
+}
+
+/* Weights kept in their GGUF blocks (Q4_1, Q8_0: 32 consecutive k of one
+ * output column share a float16 scale, and for Q4_1 a float16 minimum),
+ * regrouped at load so that one block of one panel is contiguous:
+ *
+ *     Q4_1 (960 bytes):  f16 d[48] | f16 m[48] | u8 q[16][48]
+ *                        q[j][c] = code(k = j) | code(k = j + 16) << 4
+ *     Q8_0 (1632 bytes): f16 d[48] | i8 q[32][48]
+ *
+ * w = d * code + m (Q4_1) or d * code (Q8_0); d * code is exact in float32
+ * (11 x 4 or 11 x 8 significant bits), so one FMA rounds once, as the
+ * loader's (d * code) + m does: the kernel multiplies by the very weights a
+ * float32 load holds, in the same order, and its outputs are the float32
+ * path's bit for bit, while a decode step reads 4.5 or 8.5 bits per weight
+ * from DRAM instead of 32.
+ *
+ * The panel is expanded KC rows of k at a time into a float32 buffer that
+ * stays in L1 (KC x NR x 4 = 12 KB), and every row tile of the chunk passes
+ * over that slice before the next is expanded; the tiles keep their partial
+ * sums in C between slices (which is the same FMA chain, stored and
+ * reloaded). While a slice of panel p is expanded, the same slice of panel
+ * p + 1 is prefetched, so the DRAM stream runs one panel ahead:
+ *
+ *     panel p:   [expand k 0..63 | tiles] [expand k 64..127 | tiles] ...
+ *     panel p+1:  prefetch 0..63           prefetch 64..127           ...
+ */
+#define QK 32          /* k per GGUF block */
+#define KC (2 * QK)    /* k per expanded slice */
+enum { FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+
+static int64_t quant_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 4 * NR + QK / 2 * NR : 2 * NR + QK * NR; }
+
+/* The weights of one block of one panel, as QK x NR float32 rows of k.
+ * `pf` (or NULL): the same block of the next panel, prefetched a line every
+ * third vector of output; issued together, the prefetches would fill the
+ * line-fill buffers and stall the expansion until DRAM answered. */
+static inline void expand_block(float *buf, const uint8_t *qp, int fmt, const char *pf)
+{
+    const uint16_t *scales = (const uint16_t *)qp;
+    const int lines = pf ? (int)((quant_block_bytes(fmt) + 63) / 64) : 0;
+    for (int j = 0; j < NV; j++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j)));
+        if (fmt == FMT_Q4_1) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + NR + 16 * j)));
+            const uint8_t *q = qp + 4 * NR + 16 * j;
+            for (int k = 0; k < QK / 2; k++) {
+                const int step = j * QK / 2 + k; /* 48 steps for 15 lines */
+                if (step % 3 == 0 && step / 3 < lines)
+                    _mm_prefetch(pf + 64 * (step / 3), _MM_HINT_T0);
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                _mm512_store_ps(buf + k * NR + 16 * j, _mm512_fmadd_ps(d, lo, m));
+                _mm512_store_ps(buf + (k + QK / 2) * NR + 16 * j, _mm512_fmadd_ps(d, hi, m));
+            }
+        } else {
+            const uint8_t *q = qp + 2 * NR + 16 * j;
+            for (int k = 0; k < QK; k++) {
+                const int step = j * QK + k; /* 96 steps for 26 lines */
+                if (step % 3 == 0 && step / 3 < lines)
+                    _mm_prefetch(pf + 64 * (step / 3), _MM_HINT_T0);
+                const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR)));
+                _mm512_store_ps(buf + k * NR + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+            }
+        }
+    }
+}
+
+static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                        const float *bias, int M, int N, int K, int num_threads)
+{
+    const int panels = (N + NR - 1) / NR;
+    const int chunks = (M + MC - 1) / MC;
+    const int64_t block_bytes = quant_block_bytes(fmt), panel_bytes = (int64_t)(K / QK) * block_bytes;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* The chunk's partial sums, NR wide (C's own rows may be a multiple
+         * of 4 KB apart and would then all fall into the same L1 sets), and
+         * the expanded slice: 60 KB of this thread's stack. */
+        float sums[MC * NR] __attribute__((aligned(64)));
+        float buf[KC * NR] __attribute__((aligned(64)));
+        const int64_t items = (int64_t)chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
+        for (int64_t it = begin; it < end; it++) {
+            const int mc = (int)(it / panels), p = (int)(it % panels);
+            const int m0 = mc * MC, rows = (mc + 1) * MC < M ? MC : M - mc * MC;
+            const int ncols = N - p * NR < NR ? N - p * NR : NR;
+            const uint8_t *panel = blocks + p * panel_bytes;
+            const int prefetch = it + 1 < end && p + 1 < panels;
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                const int kc = K - k0 < KC ? K - k0 : KC;
+                for (int kb = k0; kb < k0 + kc; kb += QK) {
+                    const uint8_t *qp = panel + (int64_t)(kb / QK) * block_bytes;
+                    expand_block(buf + (kb - k0) * NR, qp, fmt, prefetch ? (const char *)qp + panel_bytes : 0);
+                }
+                for (int m = 0; m < rows; m += MR) {
+                    const int mr = rows - m < MR ? rows - m : MR;
+                    tile_rows(mr, sums + m * NR, NR, a + (m0 + m) * lda + k0, lda, buf,
+                              k0 == 0 && bias ? bias + p * NR : 0, kc, ncols, 0, 0, k0 > 0);
+                }
+            }
+            const __mmask16 tail = ncols % 16 ? (__mmask16)((1u << (ncols % 16)) - 1) : (__mmask16)0xFFFF;
+            for (int m = 0; m < rows; m++)
+                for (int j = 0; j < NV && 16 * j < ncols; j++)
+                    _mm512_mask_storeu_ps(c + (m0 + m) * ldc + p * NR + 16 * j, 16 * j + 16 <= ncols ? 0xFFFF : tail,
+                                          _mm512_load_ps(sums + m * NR + 16 * j));
+        }
+    }
+}
+
+int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                      const float *bias, int M, int N, int K, int num_threads)
+{
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K % QK != 0)
+        return -3;
+    gemm_blocks(c, ldc, a, lda, blocks, fmt, bias, M, N, K, num_threads);
     return 0;
 }
 
@@ -152,6 +271,14 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
                 int M, int N, int K, int num_threads)
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)packed; (void)bias; (void)M; (void)N; (void)K; (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                      const float *bias, int M, int N, int K, int num_threads)
+{
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
+    (void)num_threads;
     return -1;
 }
 
