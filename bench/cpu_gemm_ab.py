@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks] [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
---setting cpu-gemm (default) compares --cpu-gemm native (the packed kernel)
-with torch (MKL); --setting gguf-blocks compares --gguf-blocks auto (small
-batches read the GGUF's Q4_1/Q8_0 blocks) with off (float32 panels only).
+--setting cpu-gemm (default) compares --cpu-gemm native (the packed
+kernel's float32 panels: both executors run --gguf-blocks off) with torch
+(MKL); --setting gguf-blocks compares --gguf-blocks auto (small batches read
+the GGUF's Q4_1/Q8_0 blocks) with off (float32 panels only).
 Loads the embedded model twice, one executor per value, and times the same
 rows as bench.forward_sweep (decode batches at one context, a 64-decode step
 at a longer context, an 8 x 256-token prefill), alternating the two
@@ -26,8 +27,12 @@ from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker
 from shared.logging import configure_logging
 
-# --setting: (ExecutorConfig field, (value under test, value it is compared with))
-SETTINGS = {"cpu-gemm": ("cpu_gemm", ("native", "torch")), "gguf-blocks": ("gguf_blocks", ("auto", "off"))}
+# --setting: (ExecutorConfig field, (value under test, value it is compared with), fields both executors share)
+SETTINGS = {
+    # float32 panels vs MKL, as before --gguf-blocks (whose default would send 1-32 rows to the block path)
+    "cpu-gemm": ("cpu_gemm", ("native", "torch"), {"gguf_blocks": "off"}),
+    "gguf-blocks": ("gguf_blocks", ("auto", "off"), {}),
+}
 
 
 def main(argv=None) -> None:
@@ -42,10 +47,11 @@ def main(argv=None) -> None:
     rows = [dict(sweep="batch", batch=int(b), context=256, new=1) for b in a.batch_sizes.split(",")]
     rows += [dict(sweep="context", batch=64, context=512, new=1), dict(sweep="prefill", batch=8, context=256, new=256)]
     gib = kv_gib_needed(open_checkpoint(None)[0].config, torch.float32, rows)
-    field, (new, old) = SETTINGS[a.setting]
+    field, (new, old), shared = SETTINGS[a.setting]
     executors = {}
     for gemm in (new, old):
-        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads, **{field: gemm}))
+        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads,
+                                       **shared, **{field: gemm}))
         worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
                          max_num_seqs=max(r["batch"] for r in rows))
         timed = worker.runner.model = TimedModel(worker.runner.model)

@@ -84,8 +84,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                         "auto = native where it can run.")
     p.add_argument("--gguf-blocks", default=d.gguf_blocks, choices=GGUF_BLOCKS,
                    help="With the native GEMM and a GGUF file: auto = batches of up to 32 rows read Q4_1/Q8_0 weights "
-                        "in their blocks (4.5/8.5 bits per weight instead of 32, identical outputs; ~2x faster "
-                        "single-request decode); off = float32 weights only.")
+                        "in their blocks (5/8.5 bits per weight instead of 32; outputs identical to the float32 "
+                        "packed GEMM's, which off uses from 2 rows, MKL at 1; ~1.6x faster decode at batch 1-2); "
+                        "off = float32 weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,

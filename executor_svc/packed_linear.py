@@ -1,18 +1,19 @@
 """Linear layers on CPU through the native packed GEMM (native/packed_gemm.c).
 
 `pack(weight)` copies an [out, in] float32 weight once, at load, into the
-panel order the kernel reads; `linear(x, weight, bias, panels)` multiplies
-through the kernel for 2-256 rows (decode batches, short prefill chunks)
-and through F.linear (MKL) otherwise, so the model keeps both copies: the packed one costs as much
-memory as the linear weights themselves. The model packs only where the
+panel order the kernel reads; `linear(x, weight, bias, PackedWeight(panels))`
+multiplies through the kernel for 2-256 rows (decode batches, short prefill
+chunks) and through F.linear (MKL) otherwise, so the model keeps both
+copies: the packed one costs as much memory as the linear weights themselves. The model packs only where the
 kernel was built (x86 with AVX-512) and the weights are float32 on CPU.
 
-`pack_blocks(rows)` instead keeps a GGUF Q4_1 or Q8_0 weight in its blocks
-(4.5 or 8.5 bits per weight), regrouped into panel order; the kernel expands
-each panel to float32 in L2 as it goes, to the same values a float32 load
-holds, so the outputs are the float32 path's bit for bit while a decode step
-reads 4-7x fewer bytes of weights. With block panels the kernel also takes
-single rows, which only stream weights.
+`pack_blocks(rows)` also keeps a GGUF Q4_1 or Q8_0 weight in its blocks
+(5 or 8.5 bits per weight), regrouped into panel order; the kernel expands
+each panel 64 k at a time into an L1 buffer of float32, to the same values a
+float32 load holds, so the outputs are the float32 panels' bit for bit while
+a decode step reads 3.8-6.4x fewer bytes of weights. With block panels the
+kernel takes 1-32 rows, single rows included (which without them go to MKL,
+whose sums are ordered differently).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def kernel() -> _Kernel | None:
 # full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
 # fast or faster (docs/benchmarks.md, optimization log).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
-# Block panels read 4-7x fewer bytes but expand them on every call: they win
+# Block panels read 3.8-6.4x fewer bytes but expand them on every call: they win
 # while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even
 # with the float32 panels (whose stream the prefetch hides) from ~32 rows on.
 BLOCKS_MAX_ROWS = 32
@@ -111,7 +112,10 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     else:
         fields = [d, blocks[..., 2:].transpose(0, 1, 3, 2)]
     data = np.concatenate([f.reshape(num_panels, num_blocks, -1) for f in fields], axis=2)
-    return BlockPanels(torch.from_numpy(np.ascontiguousarray(data)), kind, out_features, num_blocks * BLOCK_K)
+    # Copied into torch's 64-byte-aligned memory (numpy's is 16-aligned): a 960-byte Q4_1 block then
+    # spans exactly the 15 lines expand_block prefetches.
+    panels = torch.empty(data.shape, dtype=torch.uint8).copy_(torch.from_numpy(data))
+    return BlockPanels(panels, kind, out_features, num_blocks * BLOCK_K)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -230,8 +230,11 @@ def test_block_panels_hold_each_tensor_parallel_share(tmp_path):
     assert layer.packed["down"].blocks is None
     for name in ("qkv", "o", "gate_up"):
         weight = getattr(layer, f"{name}_weight")
-        eye = torch.eye(weight.shape[1])[:7]
-        assert torch.equal(linear(eye, weight, None, layer.packed[name]), weight[:, :7].t())
+        eye = torch.eye(weight.shape[1])
+        for start in range(0, weight.shape[1], 7):  # <= 32 rows a call: every column, all on the block path
+            rows = eye[start : start + 7]
+            assert packed_linear.route(rows.shape[0], layer.packed[name]) == "blocks"
+            assert torch.equal(linear(rows, weight, None, layer.packed[name]), weight[:, start : start + 7].t())
 
 
 # --- tokenizer description ------------------------------------------------------------

@@ -56,8 +56,8 @@ def test_kernel_writes_exactly_its_outputs():
     gen = torch.Generator().manual_seed(0)
     w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     out = torch.full((m, ldc), float("nan"))
-    kern = packed_linear.kernel()
-    assert kern.gemm(out.data_ptr(), ldc, x.data_ptr(), k, pack(w).data_ptr(), bias.data_ptr(), m, n, k, 2) == 0
+    kern, panels = packed_linear.kernel(), pack(w)  # held: a temporary's data_ptr() dangles once it is freed
+    assert kern.gemm(out.data_ptr(), ldc, x.data_ptr(), k, panels.data_ptr(), bias.data_ptr(), m, n, k, 2) == 0
     assert_close(out[:, :n], reference(x, w, bias), k)
     assert out[:, n:].isnan().all()
 
@@ -68,8 +68,8 @@ def test_kernel_over_several_row_chunks():
     n, k, m = 200, 96, 600
     gen = torch.Generator().manual_seed(2)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
-    out = torch.full((m, n), float("nan"))
-    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, pack(w).data_ptr(), None, m, n, k, 2) == 0
+    out, panels = torch.full((m, n), float("nan")), pack(w)
+    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, panels.data_ptr(), None, m, n, k, 2) == 0
     assert_close(out, reference(x, w, None), k)
 
 
@@ -135,8 +135,8 @@ def quantized(kind: str, n: int, k: int, seed: int):
 def float32_panels(x, weight, bias):
     """The float32 panel kernel at any row count (linear() would send 1 row to MKL)."""
     n, k = weight.shape
-    out = torch.empty(x.shape[0], n)
-    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, pack(weight).data_ptr(),
+    out, panels = torch.empty(x.shape[0], n), pack(weight)  # held until the call returns
+    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, panels.data_ptr(),
                                        None if bias is None else bias.data_ptr(), x.shape[0], n, k, 2) == 0
     return out
 

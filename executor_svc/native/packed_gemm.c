@@ -157,15 +157,16 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  * (11 x 4 or 11 x 8 significant bits), so one FMA rounds once, as the
  * loader's (d * code) + m does: the kernel multiplies by the very weights a
  * float32 load holds, in the same order, and its outputs are the float32
- * path's bit for bit, while a decode step reads 4.5 or 8.5 bits per weight
- * from DRAM instead of 32.
+ * path's bit for bit, while a decode step reads 5 or 8.5 bits per weight
+ * (20- or 34-byte blocks of 32) from DRAM instead of 32.
  *
  * The panel is expanded KC rows of k at a time into a float32 buffer that
  * stays in L1 (KC x NR x 4 = 12 KB), and every row tile of the chunk passes
  * over that slice before the next is expanded; the tiles keep their partial
- * sums in C between slices (which is the same FMA chain, stored and
- * reloaded). While a slice of panel p is expanded, the same slice of panel
- * p + 1 is prefetched, so the DRAM stream runs one panel ahead:
+ * sums in a contiguous NR-wide buffer between slices (the same FMA chain,
+ * stored and reloaded), copied into C after the last slice. While a slice
+ * of panel p is expanded, the same slice of panel p + 1 is prefetched, so
+ * the DRAM stream runs one panel ahead:
  *
  *     panel p:   [expand k 0..63 | tiles] [expand k 64..127 | tiles] ...
  *     panel p+1:  prefetch 0..63           prefetch 64..127           ...
@@ -257,7 +258,8 @@ static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, cons
 int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
                       const float *bias, int M, int N, int K, int num_threads)
 {
-    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K % QK != 0)
+    /* K == 0 would copy the never-written partial sums (not even the bias) into C. */
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K <= 0 || K % QK != 0)
         return -3;
     gemm_blocks(c, ldc, a, lda, blocks, fmt, bias, M, N, K, num_threads);
     return 0;
