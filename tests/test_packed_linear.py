@@ -143,7 +143,7 @@ def float32_panels(x, weight, bias):
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", [(5, 32), (50, 64), (960, 576), (100, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, BLOCKS_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, BLOCKS_MAX_ROWS])
 def test_block_panels_give_the_float32_result_bit_for_bit(kind, shape, rows):
     """The kernel expands each block to exactly the loader's float32 weights
     and keeps the float32 path's order of FMAs (partial sums stored and
