@@ -180,6 +180,7 @@ def test_block_kernel_rejects_what_it_cannot_read():
     kern = packed_linear.kernel()
     assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 40, data.data_ptr(), 1, None, 1, 48, 40, 2) == -3  # K % 32
     assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 7, None, 1, 48, 64, 2) == -3  # format
+    assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 1, None, 1, 48, 0, 2) == -3  # K == 0
 
 
 def test_block_panel_layout():
