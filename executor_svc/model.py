@@ -174,6 +174,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Each fused linear weight of a layer: the checkpoint tensors stacked in its
+# rows (under "model.layers.N."), and the dimension tensor parallelism cuts
+# (0: rows, column-parallel; 1: columns, row-parallel).
+LINEAR_PARTS = {
+    "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), 0),
+    "o": (("self_attn.o_proj",), 1),
+    "gate_up": (("mlp.gate_proj", "mlp.up_proj"), 0),
+    "down": (("mlp.down_proj",), 1),
+}
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int = 1
@@ -201,6 +212,12 @@ class DecoderLayer(nn.Module):
         # Packed copies for the native CPU GEMM, by weight name ("qkv", "o",
         # "gate_up", "down"); empty unless pack_linear_weights() ran.
         self.packed: dict[str, PackedWeight] = {}
+
+    def part_rows(self, name: str) -> list[int]:
+        """This rank's rows of each of LINEAR_PARTS[name]'s tensors, in order."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.down_weight.shape[1]
+        return {"qkv": [q, kv, kv], "gate_up": [inter, inter]}.get(name) or [getattr(self, f"{name}_weight").shape[0]]
 
     def forward(
         self,
@@ -334,22 +351,15 @@ class LlamaForCausalLM(nn.Module):
             self._tied_head = self.embed_tokens.t().contiguous().t()
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q_end = layer.num_heads * layer.head_dim
-            k_end = q_end + layer.num_kv_heads * layer.head_dim
-            inter = layer.down_weight.shape[1]
             fill(layer.input_norm, p + "input_layernorm.weight")
             fill(layer.post_norm, p + "post_attention_layernorm.weight")
-            fill(layer.qkv_weight[:q_end], p + "self_attn.q_proj.weight", split=0)
-            fill(layer.qkv_weight[q_end:k_end], p + "self_attn.k_proj.weight", split=0)
-            fill(layer.qkv_weight[k_end:], p + "self_attn.v_proj.weight", split=0)
+            for name, (parts, split) in LINEAR_PARTS.items():
+                rows = getattr(layer, f"{name}_weight").split(layer.part_rows(name))
+                for part, dst in zip(parts, rows):
+                    fill(dst, f"{p}{part}.weight", split)
             if layer.qkv_bias is not None:
-                fill(layer.qkv_bias[:q_end], p + "self_attn.q_proj.bias", split=0)
-                fill(layer.qkv_bias[q_end:k_end], p + "self_attn.k_proj.bias", split=0)
-                fill(layer.qkv_bias[k_end:], p + "self_attn.v_proj.bias", split=0)
-            fill(layer.o_weight, p + "self_attn.o_proj.weight", split=1)
-            fill(layer.gate_up_weight[:inter], p + "mlp.gate_proj.weight", split=0)
-            fill(layer.gate_up_weight[inter:], p + "mlp.up_proj.weight", split=0)
-            fill(layer.down_weight, p + "mlp.down_proj.weight", split=1)
+                for part, dst in zip(LINEAR_PARTS["qkv"][0], layer.qkv_bias.split(layer.part_rows("qkv"))):
+                    fill(dst, f"{p}{part}.bias", split=0)
 
     @torch.no_grad()
     def pack_linear_weights(self, blocks: Callable[[str], tuple[str, torch.Tensor] | None] | None = None) -> None:
@@ -367,16 +377,10 @@ class LlamaForCausalLM(nn.Module):
             f"packing needs a float32 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
         )
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            parts = {
-                "qkv": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], 0),
-                "o": ([p + "self_attn.o_proj.weight"], 1),
-                "gate_up": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], 0),
-                "down": ([p + "mlp.down_proj.weight"], 1),
-            }
             layer.packed = {}
-            for name, (names, split) in parts.items():
+            for name, (parts, split) in LINEAR_PARTS.items():
                 weight = getattr(layer, f"{name}_weight")
+                names = [f"model.layers.{i}.{part}.weight" for part in parts]
                 layer.packed[name] = PackedWeight(pack(weight), self._block_panels(blocks, names, split, weight))
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"

@@ -4,8 +4,9 @@
 panel order the kernel reads; `linear(x, weight, bias, PackedWeight(panels))`
 multiplies through the kernel for 2-256 rows (decode batches, short prefill
 chunks) and through F.linear (MKL) otherwise, so the model keeps both
-copies: the packed one costs as much memory as the linear weights themselves. The model packs only where the
-kernel was built (x86 with AVX-512) and the weights are float32 on CPU.
+copies: the packed one costs as much memory as the linear weights
+themselves. The model packs only where the kernel was built (x86 with
+AVX-512) and the weights are float32 on CPU.
 
 `pack_blocks(rows)` also keeps a GGUF Q4_1 or Q8_0 weight in its blocks
 (5 or 8.5 bits per weight), regrouped into panel order; the kernel expands
@@ -22,7 +23,6 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,20 +101,19 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     out_features, num_blocks, _ = rows.shape
     width = k.panel_width
     num_panels = -(-out_features // width)
-    blocks = np.zeros((num_panels * width, num_blocks, block_bytes), dtype=np.uint8)
-    blocks[:out_features] = rows.numpy()
+    blocks = rows.new_zeros(num_panels * width, num_blocks, block_bytes)
+    blocks[:out_features] = rows
     # [panel, column, block, byte] -> per (panel, block): each field column-minor.
-    blocks = blocks.reshape(num_panels, width, num_blocks, block_bytes).transpose(0, 2, 1, 3)
+    blocks = blocks.view(num_panels, width, num_blocks, block_bytes).transpose(1, 2)
     d = blocks[..., 0:2]  # [panel, block, column, 2]: f16 scales, column after column
     if kind == "Q4_1":
         m, codes = blocks[..., 2:4], blocks[..., 4:]
-        fields = [d, m, codes.transpose(0, 1, 3, 2)]  # codes: [panel, block, byte j, column]
+        fields = [d, m, codes.transpose(2, 3)]  # codes: [panel, block, byte j, column]
     else:
-        fields = [d, blocks[..., 2:].transpose(0, 1, 3, 2)]
-    data = np.concatenate([f.reshape(num_panels, num_blocks, -1) for f in fields], axis=2)
-    # Copied into torch's 64-byte-aligned memory (numpy's is 16-aligned): a 960-byte Q4_1 block then
-    # spans exactly the 15 lines expand_block prefetches.
-    panels = torch.empty(data.shape, dtype=torch.uint8).copy_(torch.from_numpy(data))
+        fields = [d, blocks[..., 2:].transpose(2, 3)]
+    # A fresh torch tensor is 64-byte aligned: a 960-byte Q4_1 block spans
+    # exactly the 15 lines expand_block prefetches.
+    panels = torch.cat([f.reshape(num_panels, num_blocks, -1) for f in fields], dim=2)
     return BlockPanels(panels, kind, out_features, num_blocks * BLOCK_K)
 
 
