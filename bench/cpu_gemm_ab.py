@@ -1,12 +1,16 @@
 """Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
-    .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks] [--rounds 5] [--num-threads 2]
+    .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm] [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
 --setting cpu-gemm (default) compares --cpu-gemm native (the packed
 kernel's float32 panels: both executors run --gguf-blocks off) with torch
 (MKL); --setting gguf-blocks compares --gguf-blocks auto (small batches read
-the GGUF's Q4_1/Q8_0 blocks) with off (float32 panels only).
+the GGUF's Q4_1/Q8_0 blocks) with off (float32 panels only); --setting
+dtype compares --dtype bfloat16 (on CPUs without AVX512-BF16: bfloat16
+weights and KV, float32 arithmetic) with float32; --setting bf16-gemm
+compares that bfloat16 path (--cpu-gemm auto) with torch's own bf16 GEMM
+(--cpu-gemm torch, emulated on such CPUs).
 Loads the embedded model twice, one executor per value, and times the same
 rows as bench.forward_sweep (decode batches at one context, a 64-decode step
 at a longer context, an 8 x 256-token prefill), alternating the two
@@ -32,6 +36,8 @@ SETTINGS = {
     # float32 panels vs MKL, as before --gguf-blocks (whose default would send 1-32 rows to the block path)
     "cpu-gemm": ("cpu_gemm", ("native", "torch"), {"gguf_blocks": "off"}),
     "gguf-blocks": ("gguf_blocks", ("auto", "off"), {}),
+    "dtype": ("dtype", ("bfloat16", "float32"), {}),
+    "bf16-gemm": ("cpu_gemm", ("auto", "torch"), {"dtype": "bfloat16"}),
 }
 
 
@@ -50,8 +56,8 @@ def main(argv=None) -> None:
     field, (new, old), shared = SETTINGS[a.setting]
     executors = {}
     for gemm in (new, old):
-        worker = Worker(ExecutorConfig(dtype="float32", kv_cache_gib=gib, num_threads=a.num_threads,
-                                       **shared, **{field: gemm}))
+        settings = {"dtype": "float32", **shared, field: gemm}
+        worker = Worker(ExecutorConfig(kv_cache_gib=gib, num_threads=a.num_threads, **settings))
         worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
                          max_num_seqs=max(r["batch"] for r in rows))
         timed = worker.runner.model = TimedModel(worker.runner.model)

@@ -53,7 +53,7 @@ from torch import nn
 from executor_svc import fused_ops
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import BLOCK_K, PackedWeight, linear, pack, pack_blocks
+from executor_svc.packed_linear import BLOCK_K, PackedWeight, linear, pack, pack_bf16, pack_blocks
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -287,7 +287,9 @@ class LlamaForCausalLM(nn.Module):
         # for the head's faster GEMM: vocab x hidden more memory there. Not a
         # parameter: state dicts keep the checkpoint's tensors only.
         self._tied_head: torch.Tensor | None = None
-        self._head_packed: PackedWeight | None = None  # pack_linear_weights()
+        self._head_packed: PackedWeight | None = None  # pack_linear_weights() or widen_bf16()
+        # The activations' dtype: the weights' own, except after widen_bf16().
+        self.compute_dtype = dtype
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
@@ -308,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
         )
         cos = self.rope_cos[positions]
         sin_signed = self.rope_sin_signed[positions]
-        h, delta = F.embedding(input_ids, self.embed_tokens), None
+        h, delta = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cos, sin_signed, kv_cache, meta)
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)
@@ -386,8 +388,54 @@ class LlamaForCausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head))
 
+    @torch.no_grad()
+    def widen_bf16(self) -> None:
+        """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
+        weights, for CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
+        at a third of the float32 rate). After load_weights: every linear
+        weight and the head are also packed into BF16 block panels, which the
+        kernel widens to float32 exactly as it reads them (the bfloat16
+        tensors stay, widened per call for MKL, which takes the larger row
+        counts); the norms, biases and rope tables become float32, as do the
+        activations from the embedding lookup on. So the weights keep their
+        bfloat16 values, in as many bytes as float32 weights alone (half what
+        a float32 model keeps beside its panels); only the arithmetic is
+        float32. A weight whose input width is not a multiple of 32 (possible
+        in a tensor-parallel shard) is widened to a float32 tensor instead.
+        """
+        assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.bfloat16, (
+            f"widen_bf16 needs a bfloat16 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
+        )
+
+        def packed(owner: nn.Module, attr: str) -> PackedWeight | None:
+            weight = getattr(owner, attr)
+            if weight.shape[1] % BLOCK_K:
+                setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
+                return None
+            return PackedWeight(None, pack_bf16(weight))
+
+        for layer in self.layers:
+            layer.packed = {}
+            for name in LINEAR_PARTS:
+                p = packed(layer, f"{name}_weight")
+                if p is not None:
+                    layer.packed[name] = p
+            for attr in ("input_norm", "post_norm", "qkv_bias"):
+                if getattr(layer, attr) is not None:
+                    setattr(layer, attr, nn.Parameter(getattr(layer, attr).float(), requires_grad=False))
+        self.norm = nn.Parameter(self.norm.float(), requires_grad=False)
+        if self.lm_head is not None:
+            self._head_packed = packed(self, "lm_head")
+        elif self.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
+            self._tied_head, self._head_packed = None, PackedWeight(None, pack_bf16(self.embed_tokens))
+        else:
+            self._tied_head = self.embed_tokens.float().t().contiguous().t()
+        self.rope_cos, self.rope_sin_signed = rope_cache(self.config, torch.float32, self.rope_cos.device)
+        self.compute_dtype = torch.float32
+
     def block_panel_bytes(self) -> int:
-        """Bytes of weights kept in GGUF blocks for the packed GEMM (0 without them)."""
+        """Bytes of weights kept in block panels for the packed GEMM: GGUF
+        blocks, or bfloat16 ones after widen_bf16 (0 without them)."""
         packed = [p for layer in self.layers for p in layer.packed.values()] + [self._head_packed]
         return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
 

@@ -59,13 +59,16 @@ def load_model(
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
     native kernel's packed form of the linear weights (packed_linear.py),
-    and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; the
-    caller checks that the kernel is available and the model is float32 on
-    CPU."""
+    and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
+    bfloat16 model it moves the weights into bfloat16 panels that the kernel
+    multiplies in float32 (model.widen_bf16). The caller checks that the
+    kernel is available and the model is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
-    if packed_gemm:
+    if packed_gemm and dtype == torch.bfloat16:
+        model.widen_bf16()
+    elif packed_gemm:
         model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

@@ -15,6 +15,14 @@ float32 load holds, so the outputs are the float32 panels' bit for bit while
 a decode step reads 3.8-6.4x fewer bytes of weights. With block panels the
 kernel takes 1-32 rows, single rows included (which without them go to MKL,
 whose sums are ordered differently).
+
+`pack_bf16(weight)` keeps a weight in bfloat16 blocks of the same layout,
+which the kernel widens to float32 (exactly: a bfloat16 is the top half of a
+float32). That is how `--dtype bfloat16` runs on CPUs without AVX512-BF16:
+bfloat16 weights at half the bytes, float32 arithmetic at the float32 rate,
+instead of torch's emulated bf16 GEMM (3-4x slower here). Past one row
+chunk, where MKL's float32 GEMM is faster than the kernel, the bfloat16
+weight is widened for it on each call (a few percent of that GEMM's time).
 """
 from __future__ import annotations
 
@@ -68,16 +76,17 @@ BLOCKS_MAX_ROWS = 32
 # block of 32 weights in the file (ggml's block_q4_1: f16 d, f16 m, 16 bytes
 # of 4-bit codes, k = j in the low nibble of byte j and k = j + 16 in its high
 # one; block_q8_0: f16 d, 32 int8 codes).
-BLOCK_FORMATS = {"Q4_1": (1, 20), "Q8_0": (2, 34)}
+# "BF16" is no GGUF format: 32 bfloat16 weights of one output row in k order.
+BLOCK_FORMATS = {"Q4_1": (1, 20), "Q8_0": (2, 34), "BF16": (3, 64)}
 BLOCK_K = 32
 
 
 @dataclass(frozen=True)
 class BlockPanels:
-    """An [out, in] weight in its GGUF blocks, in the kernel's panel order."""
+    """An [out, in] weight in blocks (GGUF or bfloat16), in the kernel's panel order."""
 
     data: torch.Tensor  # uint8 [panels, in // 32, bytes per panel block]
-    kind: str  # "Q4_1" or "Q8_0"
+    kind: str  # a key of BLOCK_FORMATS
     out_features: int
     in_features: int
 
@@ -106,7 +115,9 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     # [panel, column, block, byte] -> per (panel, block): each field column-minor.
     blocks = blocks.view(num_panels, width, num_blocks, block_bytes).transpose(1, 2)
     d = blocks[..., 0:2]  # [panel, block, column, 2]: f16 scales, column after column
-    if kind == "Q4_1":
+    if kind == "BF16":  # [panel, block, k, column, 2 bytes]
+        fields = [blocks.reshape(num_panels, num_blocks, width, BLOCK_K, 2).transpose(2, 3)]
+    elif kind == "Q4_1":
         m, codes = blocks[..., 2:4], blocks[..., 4:]
         fields = [d, m, codes.transpose(2, 3)]  # codes: [panel, block, byte j, column]
     else:
@@ -115,6 +126,17 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     # exactly the 15 lines expand_block prefetches.
     panels = torch.cat([f.reshape(num_panels, num_blocks, -1) for f in fields], dim=2)
     return BlockPanels(panels, kind, out_features, num_blocks * BLOCK_K)
+
+
+def pack_bf16(weight: torch.Tensor) -> BlockPanels:
+    """A bfloat16 CPU [out, in] weight (in a multiple of 32) as BF16 block panels."""
+    assert weight.dtype == torch.bfloat16 and weight.device.type == "cpu", (
+        f"pack_bf16 takes bfloat16 CPU weights, got {weight.dtype} on {weight.device}"
+    )
+    out_features, in_features = weight.shape
+    assert in_features % BLOCK_K == 0, f"pack_bf16: in_features {in_features} is not a multiple of {BLOCK_K}"
+    rows = weight.contiguous().view(torch.uint8).view(out_features, in_features // BLOCK_K, 2 * BLOCK_K)
+    return pack_blocks("BF16", rows)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -135,14 +157,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """The kernel's copies of one [out, in] weight: float32 panels, and its GGUF blocks where the file has them."""
+    """The kernel's copies of one [out, in] weight: float32 panels, and its
+    GGUF blocks where the file has them; or bfloat16 blocks alone."""
 
-    panels: torch.Tensor  # pack(weight)
+    panels: torch.Tensor | None  # pack(weight); None with pack_bf16 blocks
     blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
+
+    def __post_init__(self) -> None:
+        assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
 
 
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks", "panels" or "torch" (MKL)."""
+    if packed is not None and packed.panels is None:  # bfloat16 weights
+        return "blocks" if rows <= PACKED_MAX_ROWS else "torch"
     if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
     if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
@@ -153,11 +181,11 @@ def route(rows: int, packed: PackedWeight | None) -> str:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """x [M, in] @ weight.T (+ bias) -> [M, out]: through the packed kernel
-    where `route` picks it, else F.linear. Block panels and float32 panels
-    give the same result bit for bit."""
+    where `route` picks it, else F.linear (widening a bfloat16 weight for a
+    float32 x). Block panels and float32 panels give the same result bit for bit."""
     how = route(x.shape[0], packed)
     if how == "torch":
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"

@@ -69,16 +69,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py)."""
+    """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
+    for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
+    model.widen_bf16) where the CPU has no fast bf16 of its own for auto."""
     if name == "torch" or device.type != "cpu":
         return False
-    possible = dtype == torch.float32 and packed_linear.kernel() is not None
-    if name == "native" and not possible:
+    built = packed_linear.kernel() is not None
+    if name == "native" and not (built and dtype in (torch.float32, torch.bfloat16)):
         raise ValueError(
-            "--cpu-gemm native needs float32 weights and an x86 CPU with AVX-512 plus a C compiler; "
-            f"this executor has {dtype} and the kernel is {'built' if packed_linear.kernel() else 'unavailable'}"
+            "--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; "
+            f"this executor has {dtype} and the kernel is {'built' if built else 'unavailable'}"
         )
-    return possible
+    if dtype == torch.bfloat16 and name == "auto":
+        return built and not cpu_has_fast_bf16()
+    return built and dtype in (torch.float32, torch.bfloat16)
 
 
 class Worker:

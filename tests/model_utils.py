@@ -88,11 +88,12 @@ class Seq:
 
 
 class PagedEngine:
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0) -> None:
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        dtype = model.embed_tokens.dtype
+        dtype = kv_dtype or model.embed_tokens.dtype
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))

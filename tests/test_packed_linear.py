@@ -105,16 +105,26 @@ def test_empty_panels_mean_plain_linear():
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
-def test_cpu_gemm_setting_resolves():
+def test_cpu_gemm_setting_resolves(monkeypatch):
+    from executor_svc import worker
     from executor_svc.config import parse_config
     from executor_svc.worker import use_packed_gemm
 
     cpu = torch.device("cpu")
     assert use_packed_gemm("auto", cpu, torch.float32) and use_packed_gemm("native", cpu, torch.float32)
     assert not use_packed_gemm("torch", cpu, torch.float32)
-    assert not use_packed_gemm("auto", cpu, torch.bfloat16)  # float32 only: auto falls back
-    with pytest.raises(ValueError, match="--cpu-gemm native needs float32"):
-        use_packed_gemm("native", cpu, torch.bfloat16)
+    assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32)
+    # bfloat16: the kernel's float32 arithmetic where the CPU has no fast bf16
+    # of its own; where it has, auto leaves bf16 to torch and native still asks for the kernel.
+    for fast, auto in ((False, True), (True, False)):
+        monkeypatch.setattr(worker, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert use_packed_gemm("auto", cpu, torch.bfloat16) is auto
+        assert use_packed_gemm("native", cpu, torch.bfloat16) and not use_packed_gemm("torch", cpu, torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "kernel", lambda: None)
+    assert not use_packed_gemm("auto", cpu, torch.float32)
+    with pytest.raises(ValueError, match="--cpu-gemm native needs an x86 CPU with AVX-512"):
+        use_packed_gemm("native", cpu, torch.float32)
+    monkeypatch.undo()
     assert parse_config(["--cpu-gemm", "torch"], environ={}).cpu_gemm == "torch"
     with pytest.raises(SystemExit):
         parse_config(["--cpu-gemm", "blas"], environ={})

@@ -146,12 +146,19 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
 }
 
 /* Weights kept in their GGUF blocks (Q4_1, Q8_0: 32 consecutive k of one
- * output column share a float16 scale, and for Q4_1 a float16 minimum),
- * regrouped at load so that one block of one panel is contiguous:
+ * output column share a float16 scale, and for Q4_1 a float16 minimum), or
+ * as bfloat16 in blocks of 32 k, regrouped at load so that one block of one
+ * panel is contiguous:
  *
  *     Q4_1 (960 bytes):  f16 d[48] | f16 m[48] | u8 q[16][48]
  *                        q[j][c] = code(k = j) | code(k = j + 16) << 4
  *     Q8_0 (1632 bytes): f16 d[48] | i8 q[32][48]
+ *     BF16 (3072 bytes): bf16 w[32][48]
+ *
+ * A bfloat16 weight is the top half of a float32 one, so widening it is
+ * exact and the product is float32 arithmetic on bfloat16 weights: what a
+ * native bf16 GEMM computes (products exact, sums in float32), on CPUs whose
+ * AVX-512 has no bf16 instructions (--dtype bfloat16, model.py).
  *
  * w = d * code + m (Q4_1) or d * code (Q8_0); d * code is exact in float32
  * (11 x 4 or 11 x 8 significant bits), so one FMA rounds once, as the
@@ -173,9 +180,12 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  */
 #define QK 32          /* k per GGUF block */
 #define KC (2 * QK)    /* k per expanded slice */
-enum { FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+enum { FMT_Q4_1 = 1, FMT_Q8_0 = 2, FMT_BF16 = 3 };
 
-static int64_t quant_block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 4 * NR + QK / 2 * NR : 2 * NR + QK * NR; }
+static int64_t quant_block_bytes(int fmt)
+{
+    return fmt == FMT_Q4_1 ? 4 * NR + QK / 2 * NR : fmt == FMT_Q8_0 ? 2 * NR + QK * NR : 2 * QK * NR;
+}
 
 /* The weights of one block of one panel, as QK x NR float32 rows of k.
  * `pf` (or NULL): the same block of the next panel, prefetched a line every
@@ -185,6 +195,16 @@ static inline void expand_block(float *buf, const uint8_t *qp, int fmt, const ch
 {
     const uint16_t *scales = (const uint16_t *)qp;
     const int lines = pf ? (int)((quant_block_bytes(fmt) + 63) / 64) : 0;
+    if (fmt == FMT_BF16) {
+        /* 48 lines over 96 vectors: a line every other one. */
+        for (int v = 0; v < QK * NV; v++) {
+            if (v % 2 == 0 && v / 2 < lines)
+                _mm_prefetch(pf + 64 * (v / 2), _MM_HINT_T0);
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * v)));
+            _mm512_store_ps(buf + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+        return;
+    }
     for (int j = 0; j < NV; j++) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j)));
         if (fmt == FMT_Q4_1) {
@@ -259,7 +279,7 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
                       const float *bias, int M, int N, int K, int num_threads)
 {
     /* K == 0 would copy the never-written partial sums (not even the bias) into C. */
-    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K <= 0 || K % QK != 0)
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0 && fmt != FMT_BF16) || K <= 0 || K % QK != 0)
         return -3;
     gemm_blocks(c, ldc, a, lda, blocks, fmt, bias, M, N, K, num_threads);
     return 0;
