@@ -200,7 +200,8 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
     body = sum(p.numel() for name, p in worker.model.named_parameters() if name not in ("embed_tokens", "lm_head"))
     model = dict(name=cfg.model_name, non_embedding_params=body, head_params=head, hidden=cfg.hidden_size,
                  vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, kv_cache_gib=round(gib, 4))
-    ceiling = matmul_ceiling(worker.dtype, cfg.hidden_size, cfg.intermediate_size, args.rounds)
+    # A bfloat16 model widened for a CPU without bf16 arithmetic multiplies in float32.
+    ceiling = matmul_ceiling(worker.model.compute_dtype, cfg.hidden_size, cfg.intermediate_size, args.rounds)
 
     out, steps, gen = [], itertools.count(1), torch.Generator().manual_seed(0)
     for row in rows:

@@ -21,7 +21,9 @@ a layer takes the residual stream h and the previous layer's last output
 Numerics follow transformers' Llama so greedy outputs match it token for
 token: RMSNorm normalises in float32 and rounds before the weight multiply,
 rotary uses the "rotate_half" layout with cos/sin computed in float32, and
-logits are computed in the model dtype before the cast to float32.
+logits are computed in the model dtype before the cast to float32. (A
+bfloat16 model widened for CPUs without bf16 arithmetic, `widen_bf16`,
+computes in float32 over its bfloat16 weights instead.)
 
 Weights are loaded by `load_weights` from tensors under transformers' names
 ("model.layers.3.self_attn.q_proj.weight", ...); the GGUF loader renames to

@@ -60,7 +60,7 @@ def load_model(
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
     native kernel's packed form of the linear weights (packed_linear.py),
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
-    bfloat16 model it moves the weights into bfloat16 panels that the kernel
+    bfloat16 model it copies the weights into bfloat16 panels that the kernel
     multiplies in float32 (model.widen_bf16). The caller checks that the
     kernel is available and the model is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)

@@ -6,7 +6,7 @@ multiplies through the kernel for 2-256 rows (decode batches, short prefill
 chunks) and through F.linear (MKL) otherwise, so the model keeps both
 copies: the packed one costs as much memory as the linear weights
 themselves. The model packs only where the kernel was built (x86 with
-AVX-512) and the weights are float32 on CPU.
+AVX-512), on CPU, for float32 weights or (below) bfloat16 ones.
 
 `pack_blocks(rows)` also keeps a GGUF Q4_1 or Q8_0 weight in its blocks
 (5 or 8.5 bits per weight), regrouped into panel order; the kernel expands
@@ -20,9 +20,10 @@ whose sums are ordered differently).
 which the kernel widens to float32 (exactly: a bfloat16 is the top half of a
 float32). That is how `--dtype bfloat16` runs on CPUs without AVX512-BF16:
 bfloat16 weights at half the bytes, float32 arithmetic at the float32 rate,
-instead of torch's emulated bf16 GEMM (3-4x slower here). Past one row
-chunk, where MKL's float32 GEMM is faster than the kernel, the bfloat16
-weight is widened for it on each call (a few percent of that GEMM's time).
+instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
+~2.8x at 8-64, prefill 3.5x, docs/benchmarks.md). Past BF16_MAX_ROWS rows,
+where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
+widened for it on each call: a transient float32 copy of that one weight.
 """
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 # while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even
 # with the float32 panels (whose stream the prefetch hides) from ~32 rows on.
 BLOCKS_MAX_ROWS = 32
+# bfloat16 block panels have no float32 copy beside them: past this many rows
+# MKL over the weight widened per call is faster (SmolLM2's four linears, 2
+# threads: the kernel 1.16x at 257 rows, 1.03-1.04x at 300-512, 0.96x at
+# 1,024, 0.94x at 2,048; the widening is a fixed cost per call).
+BF16_MAX_ROWS = 512
 
 # GGUF block formats the kernel reads: its format code, and the bytes of one
 # block of 32 weights in the file (ggml's block_q4_1: f16 d, f16 m, 16 bytes
@@ -170,7 +176,7 @@ class PackedWeight:
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks", "panels" or "torch" (MKL)."""
     if packed is not None and packed.panels is None:  # bfloat16 weights
-        return "blocks" if rows <= PACKED_MAX_ROWS else "torch"
+        return "blocks" if rows <= BF16_MAX_ROWS else "torch"
     if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
     if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:

@@ -194,8 +194,9 @@ def hf_greedy(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], tor
     return tokens, first_logits, min_gap
 
 
-def save_tiny_hf_model(kind: str, folder: str, seed: int = 0):
+def save_tiny_hf_model(kind: str, folder: str, seed: int = 0, **overrides):
     """A random 2-layer model of `kind` saved as an HF folder; returns the HF model (float32).
+    `overrides` replace the tiny shape's config values (e.g. hidden_size).
 
     Weights are drawn wider than transformers' default init so logits are
     spread out and greedy choices are not near-ties.
@@ -213,6 +214,7 @@ def save_tiny_hf_model(kind: str, folder: str, seed: int = 0):
         initializer_range=0.2,
         rms_norm_eps=1e-5,
     )
+    common.update(overrides)
     configs = {
         "llama3": lambda: transformers.LlamaConfig(
             rope_theta=500000.0,

@@ -12,9 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc import packed_linear
+from executor_svc.config import ExecutorConfig
 from executor_svc.hf_loader import HFCheckpoint
-from executor_svc.model import LlamaForCausalLM
-from executor_svc.packed_linear import BLOCK_FORMATS, PACKED_MAX_ROWS, PackedWeight, linear, pack, pack_bf16, route
+from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
+from executor_svc.packed_linear import (
+    BF16_MAX_ROWS,
+    BLOCK_FORMATS,
+    PACKED_MAX_ROWS,
+    PackedWeight,
+    linear,
+    pack,
+    pack_bf16,
+    route,
+)
 from model_utils import PagedEngine, make_backend, save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
@@ -34,7 +44,7 @@ def float32_panels(x, weight, bias):
 
 
 @pytest.mark.parametrize("shape", [(5, 32), (50, 64), (960, 576), (100, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, 100, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, 100, PACKED_MAX_ROWS, BF16_MAX_ROWS])
 def test_bf16_panels_give_the_float32_result_bit_for_bit(shape, rows):
     n, k = shape
     weight = bf16_weight(n, k, seed=rows + n)
@@ -50,11 +60,22 @@ def test_bf16_panels_give_the_float32_result_bit_for_bit(shape, rows):
 
 
 def test_bf16_weights_past_the_kernel_range_go_to_mkl_widened():
-    weight, x = bf16_weight(70, 64, seed=1), torch.randn(PACKED_MAX_ROWS + 1, 64)
+    """The model's weights are column-major views ([in, out] storage); past
+    BF16_MAX_ROWS rows MKL multiplies the widened weight, whose values are exact."""
+    weight = bf16_weight(64, 70, seed=1).t()  # [70, 64] stored [64, 70], like model._empty_linear
+    x = torch.randn(BF16_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(2))
     packed = PackedWeight(None, pack_bf16(weight))
     assert route(x.shape[0], packed) == "torch"
-    assert torch.equal(linear(x, weight, None, packed), F.linear(x, weight.float()))
-    assert linear(x[:0], weight, None, packed).shape == (0, 70)
+    got = linear(x, weight, None, packed)
+    assert got.dtype == torch.float32 and got.shape == (BF16_MAX_ROWS + 1, 70)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().t(), rtol=0, atol=2e-5 * 64**0.5 * 4)
+
+
+def test_zero_rows_through_bf16_panels():
+    weight = bf16_weight(70, 64, seed=1)
+    packed = PackedWeight(None, pack_bf16(weight))
+    assert route(0, packed) == "blocks"
+    assert linear(torch.empty(0, 64), weight, None, packed).shape == (0, 70)
 
 
 def test_bf16_kernel_writes_exactly_its_outputs_over_several_chunks():
@@ -101,11 +122,11 @@ def load(folder: str, widened: bool) -> LlamaForCausalLM:
     return model
 
 
-def run(model, kv_dtype: torch.dtype) -> tuple[torch.Tensor, list[list[int]]]:
-    """A 12-token prefill of two prompts, then five greedy decode steps of both:
-    every GEMM has 2..256 rows. Returns the stacked logits and the tokens."""
-    engine = PagedEngine(model, num_blocks=32, block_size=16, kv_dtype=kv_dtype)
-    seqs = [engine.add([3, 141, 59, 26, 53, 58, 97, 93, 23]), engine.add([5, 6, 7])]
+def run(model, kv_dtype: torch.dtype, prompts=([3, 141, 59, 26, 53, 58, 97, 93, 23], [5, 6, 7])):
+    """One prefill step of all prompts, then five greedy decode steps of all
+    of them. Returns the stacked logits and the tokens."""
+    engine = PagedEngine(model, num_blocks=48, block_size=16, kv_dtype=kv_dtype)
+    seqs = [engine.add(list(p)) for p in prompts]
     work, steps = [(s, len(s.token_ids)) for s in seqs], []
     for _ in range(6):
         steps.append(engine.step(work))
@@ -123,7 +144,10 @@ def test_widened_bf16_model_is_the_float32_model_of_its_weights(tmp_path, kind):
     save_tiny_hf_model(kind, str(tmp_path))
     widened, plain = load(str(tmp_path), widened=True), load(str(tmp_path), widened=False)
     assert widened.compute_dtype == torch.float32 and widened.embed_tokens.dtype == torch.bfloat16
-    assert all(p.panels is None and p.blocks.kind == "BF16" for layer in widened.layers for p in layer.packed.values())
+    for layer in widened.layers:
+        assert set(layer.packed) == set(LINEAR_PARTS)
+        assert all(p.panels is None and p.blocks.kind == "BF16" for p in layer.packed.values())
+    assert widened._head_packed.blocks.kind == "BF16" and widened._tied_head is None  # no float32 head copy
     assert widened.layers[0].qkv_weight.dtype == torch.bfloat16
     assert all(t.dtype == torch.float32 for t in (widened.norm, widened.layers[0].input_norm, widened.rope_cos))
     if kind == "qwen2":
@@ -147,9 +171,72 @@ def test_tensor_parallel_shard_that_splits_a_block_widens_to_float32(tmp_path):
     model.widen_bf16()
     layer = model.layers[1]
     assert "down" not in layer.packed and layer.down_weight.dtype == torch.float32
-    x = torch.randn(3, layer.down_weight.shape[1])
-    assert torch.equal(linear(x, layer.down_weight, None, layer.packed.get("down")), F.linear(x, layer.down_weight))
+    down = checkpoint.tensor("model.layers.1.mlp.down_proj.weight")  # [64, 160]; rank 1 holds columns 80..159
+    assert torch.equal(layer.down_weight, down[:, 80:].to(torch.bfloat16).float())
     for name in ("qkv", "o", "gate_up"):
         weight = getattr(layer, f"{name}_weight")
         eye = torch.eye(weight.shape[1])
         assert torch.equal(linear(eye, weight, None, layer.packed[name]), weight.t().float())
+
+
+def test_long_prefill_and_single_decodes(tmp_path):
+    """A 520-token prompt (GEMMs past 512 rows: MKL on the widened weights,
+    as the float32 model's MKL on the same values) ends in the float32
+    model's hidden state bit for bit; the logits of its one-row decodes (the
+    block kernel against MKL's differently ordered sums, head included)
+    agree within float32 rounding, with the same tokens."""
+    save_tiny_hf_model("qwen2", str(tmp_path), max_position_embeddings=640)
+    widened, plain = load(str(tmp_path), widened=True), load(str(tmp_path), widened=False)
+    prompt = [(7 * i + 3) % 320 for i in range(520)]
+    hidden = []
+    for model in (widened, plain):
+        model.compute_logits = lambda h: h.clone()  # the final hidden state, not the head's 1-row GEMM
+        hidden.append(run(model, torch.float32, prompts=[prompt])[0][0])
+        del model.compute_logits
+    assert torch.equal(hidden[0], hidden[1])
+    logits, tokens = run(widened, torch.float32, prompts=[prompt])
+    want_logits, want_tokens = run(plain, torch.float32, prompts=[prompt])
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4 * want_logits.abs().max().item())
+
+
+def test_widths_that_are_not_multiples_of_32_widen_to_float32(tmp_path):
+    """hidden_size 48: every weight reading the hidden state (qkv, gate_up,
+    o, whose input is 4 heads x 12) and the tied head become float32 tensors
+    for MKL; down (input 160) keeps its bfloat16 panels."""
+    save_tiny_hf_model("llama_tied", str(tmp_path), hidden_size=48)
+    widened, plain = load(str(tmp_path), widened=True), load(str(tmp_path), widened=False)
+    assert all(set(layer.packed) == {"down"} for layer in widened.layers)
+    assert widened.layers[0].qkv_weight.dtype == torch.float32 and widened._head_packed is None
+    assert widened._tied_head.dtype == torch.float32
+    logits, tokens = run(widened, torch.float32)
+    want_logits, want_tokens = run(plain, torch.float32)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4 * want_logits.abs().max().item())
+
+
+def test_worker_serves_bfloat16_widened(tmp_path):
+    """Through the executor's Worker: --dtype bfloat16 on a CPU without fast
+    bf16 (forced here, whatever this CPU has) loads the widened model and a
+    bfloat16 KV cache; --cpu-gemm torch keeps torch's bf16."""
+    from executor_svc import worker as worker_mod
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    save_tiny_hf_model("llama_tied", str(tmp_path))
+    # The Worker loads a tokenizer with every model; nothing here tokenizes.
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    original = worker_mod.cpu_has_fast_bf16
+    worker_mod.cpu_has_fast_bf16 = lambda: False
+    try:
+        widened = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01))
+        emulated = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01,
+                                                    cpu_gemm="torch"))
+    finally:
+        worker_mod.cpu_has_fast_bf16 = original
+    assert widened.packed_gemm and widened.model.compute_dtype == torch.float32
+    assert widened.model.block_panel_bytes() > 0
+    assert not emulated.packed_gemm and emulated.model.compute_dtype == torch.bfloat16
+    info = widened.configure(block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
+    assert info.dtype_name == "bfloat16" and widened.runner.kv_caches[0][0].dtype == torch.bfloat16
