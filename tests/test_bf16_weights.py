@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from executor_svc import packed_linear
 from executor_svc.config import ExecutorConfig
@@ -21,26 +20,17 @@ from executor_svc.packed_linear import (
     PACKED_MAX_ROWS,
     PackedWeight,
     linear,
-    pack,
     pack_bf16,
     route,
 )
 from model_utils import PagedEngine, make_backend, save_tiny_hf_model
+from test_packed_linear import float32_panels
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
 
 
 def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-
-
-def float32_panels(x, weight, bias):
-    """The float32 panel kernel at any row count (linear() sends 1 row and > 256 rows to MKL)."""
-    n, k = weight.shape
-    out, panels = torch.empty(x.shape[0], n), pack(weight)  # held until the call returns
-    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, panels.data_ptr(),
-                                       None if bias is None else bias.data_ptr(), x.shape[0], n, k, 2) == 0
-    return out
 
 
 @pytest.mark.parametrize("shape", [(5, 32), (50, 64), (960, 576), (100, 1536)])
