@@ -74,15 +74,13 @@ def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool
     model.widen_bf16) where the CPU has no fast bf16 of its own for auto."""
     if name == "torch" or device.type != "cpu":
         return False
+    # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
     built = packed_linear.kernel() is not None
-    if name == "native" and not (built and dtype in (torch.float32, torch.bfloat16)):
-        raise ValueError(
-            "--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; "
-            f"this executor has {dtype} and the kernel is {'built' if built else 'unavailable'}"
-        )
+    if name == "native" and not built:
+        raise ValueError("--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; the kernel is unavailable")
     if dtype == torch.bfloat16 and name == "auto":
         return built and not cpu_has_fast_bf16()
-    return built and dtype in (torch.float32, torch.bfloat16)
+    return built
 
 
 class Worker:
