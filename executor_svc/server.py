@@ -24,6 +24,7 @@ from shared.step_codec import plan_from_proto, result_to_proto
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+STREAM_CLOSE_GRACE_S = 2.0
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -33,14 +34,23 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._instance_id = uuid.uuid4().hex
         self._active_stream: grpc.aio.ServicerContext | None = None
+        self._stream_closed = asyncio.Event()  # set whenever no Step stream is open
+        self._stream_closed.set()
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if request.block_size_tokens == 0 or request.block_size_tokens > 256:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}")
-        # A new handshake means a (re)connected scheduler: any old stream is stale.
-        if self._active_stream is not None:
-            self._active_stream.cancel()
-            self._active_stream = None
+        # One executor serves one scheduler. A handshake would reset the request
+        # state the connected scheduler relies on, so a second one is refused.
+        # A scheduler that died or reconnects releases its stream when its
+        # connection closes: at once when its process ends, within the
+        # keepalive (~40 s) after a network partition.
+        # A reconnecting scheduler's own old stream may still be closing: give it a moment.
+        try:
+            await asyncio.wait_for(self._stream_closed.wait(), STREAM_CLOSE_GRACE_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "another scheduler is connected to this executor (one executor serves one scheduler)")
         loop = asyncio.get_running_loop()
         info = await loop.run_in_executor(
             self._worker, self._state.configure, request.block_size_tokens,
@@ -67,10 +77,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     async def Step(self, request_iterator, context):
         if self._active_stream is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Step stream is open; Handshake first to replace it")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler's Step stream is open on this executor")
         if not self._state.configured:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Handshake must precede Step")
         self._active_stream = context
+        self._stream_closed.clear()
         loop = asyncio.get_running_loop()
         try:
             async for msg in request_iterator:
@@ -81,6 +92,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         finally:
             if self._active_stream is context:
                 self._active_stream = None
+                self._stream_closed.set()
 
 
 async def serve(state: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:

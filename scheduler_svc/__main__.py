@@ -36,7 +36,7 @@ async def run(config) -> int:
 
     from pagedserve.v1 import generation_pb2_grpc as pb_grpc
     from scheduler_svc.engine import Engine
-    from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
+    from scheduler_svc.executor_client import ExecutorClient, ExecutorLost, ExecutorRefused
     from scheduler_svc.server import SERVICE_NAME, GenerationServicer
     from shared.grpc_auth import BearerAuthInterceptor
 
@@ -89,7 +89,8 @@ async def run(config) -> int:
             await engine.connect()
             break
         except ExecutorLost as e:
-            log.info("waiting_for_executor", error=str(e))
+            # Not up yet is normal at start-up; a refusal (another scheduler holds it, a bad token) is not.
+            (log.warning if isinstance(e, ExecutorRefused) else log.info)("waiting_for_executor", error=str(e))
             await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
     loop_task = asyncio.ensure_future(engine.run()) if engine.scheduler is not None else None
     crashed: list[BaseException] = []

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost
+from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost, ExecutorRefused
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler
@@ -30,6 +30,11 @@ from shared.sampling_params import SamplingParams
 from shared.step_plan import TokenLogprobs
 
 log = structlog.get_logger(__name__)
+
+
+def _model_facts(info: ExecutorInfo) -> tuple:
+    """What requests were tokenized and validated against."""
+    return (info.model_name, info.vocab_size, info.max_model_len, info.tokenizer_json, info.chat_template)
 
 
 class FinishReason(enum.Enum):
@@ -137,8 +142,18 @@ class Engine:
             self.info = info
             self.tokenizer = Tokenizer.from_info(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token)
             self.scheduler = Scheduler(self._scheduler_config(info))
-        elif (info.vocab_size, info.num_kv_blocks, info.max_model_len) != (self.info.vocab_size, self.info.num_kv_blocks, self.info.max_model_len):
-            raise ExecutorLost(f"the executor came back with a different model or KV capacity ({info.num_kv_blocks} blocks)")
+        elif _model_facts(info) != _model_facts(self.info):
+            # Requests were tokenized and validated for the old model: restart the scheduler to serve this one.
+            await self.client.close()
+            raise ExecutorRefused(f"the executor came back serving a different model ({info.model_name}, vocab "
+                                  f"{info.vocab_size}, context {info.max_model_len}); restart the scheduler")
+        elif info.num_kv_blocks != self.info.num_kv_blocks:
+            # It lost every KV block anyway (reset_for_executor_loss ran): adopt the new capacity.
+            log.warning("executor_kv_capacity_changed", old_blocks=self.info.num_kv_blocks, new_blocks=info.num_kv_blocks)
+            self.info = info
+            for request in self.scheduler.resize(self._scheduler_config(info)):
+                self._fail_sample(request.request_id, f"the executor restarted with less KV memory: prompt + "
+                                  f"max_tokens now exceeds the {self.max_model_len} tokens one request can hold")
         self._set_connected(True)
         log.info("executor_connected", instance_id=info.instance_id, num_kv_blocks=info.num_kv_blocks, device=info.device)
         return info
@@ -175,11 +190,15 @@ class Engine:
         self._set_connected(False)
         self.scheduler.reset_for_executor_loss()
         deadline = time.monotonic() + self.config.executor_recovery_timeout_s
+        refusal = ""
         while True:
             try:
                 await self.connect()
                 return
             except ExecutorLost as e:
+                if isinstance(e, ExecutorRefused) and str(e) != refusal:  # waiting alone will not fix it: say so, once
+                    refusal = str(e)
+                    log.error("executor_refused", error=refusal)
                 if time.monotonic() > deadline and self._samples:
                     log.error("executor_recovery_timeout", live_requests=len(self._samples), error=str(e))
                     for sample_id in list(self._samples):

@@ -19,6 +19,15 @@ class ExecutorLost(ConnectionError):
     """The executor cannot be reached or its stream broke; its KV state is gone."""
 
 
+class ExecutorRefused(ExecutorLost):
+    """The executor answered the handshake with a refusal (another scheduler holds
+    it, a bad token, a different model than before): waiting alone will not help."""
+
+
+# Handshake failures that mean "not reachable (yet)"; any other code is a refusal.
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
 @dataclass(frozen=True)
 class ExecutorInfo:
     model_name: str
@@ -75,7 +84,8 @@ class ExecutorClient:
                 wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as e:
-            raise ExecutorLost(f"handshake with {self._address} failed: {e.code().name}: {e.details()}") from e
+            error = ExecutorLost if e.code() in _UNREACHABLE else ExecutorRefused
+            raise error(f"handshake with {self._address} failed: {e.code().name}: {e.details()}") from e
         self._call = self._stub.Step(metadata=self._metadata)
         m, t = resp.model, resp.tokenizer
         return ExecutorInfo(

@@ -102,13 +102,7 @@ class _Draft:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv_cache_manager = KVCacheManager(
-            config.block_size,
-            config.num_blocks,
-            enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
-            hash_algo=config.hash_algo,
-        )
+        self.kv_cache_manager = _kv_cache_manager(config)
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.running: list[Request] = []  # admission order
         self.waiting = WaitingQueue()
@@ -373,6 +367,18 @@ class Scheduler:
         self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
 
+    def resize(self, config: SchedulerConfig) -> list[Request]:
+        """After an executor loss, the executor came back with a different KV
+        capacity: plan for its blocks from now on. Waiting requests that no
+        longer fit `config.max_model_len` are aborted and returned."""
+        assert not self.running, f"resize with {len(self.running)} requests running: call reset_for_executor_loss first"
+        self.config = config
+        self.kv_cache_manager = _kv_cache_manager(config)
+        too_long = [r for r in self.waiting if r.num_prompt_tokens + r.max_tokens > config.max_model_len]
+        for request in too_long:
+            self.abort_request(request.request_id)
+        return too_long
+
     def reset_for_executor_loss(self) -> None:
         """The executor lost all KV and request state: recompute every running request.
 
@@ -387,6 +393,11 @@ class Scheduler:
         self._finished_ids.clear()
         self._cached_in_step.clear()
         self._reset_step_id = self._step_id
+
+
+def _kv_cache_manager(config: SchedulerConfig) -> KVCacheManager:
+    return KVCacheManager(config.block_size, config.num_blocks, enable_caching=config.enable_prefix_caching,
+                          watermark=config.watermark, hash_algo=config.hash_algo)
 
 
 def _victim_key(request: Request) -> tuple[int, float]:

@@ -1,4 +1,5 @@
-"""Faults lose nothing: executor SIGKILL mid-generation, recovery timeout, SIGTERM drain."""
+"""Faults lose nothing: executor SIGKILL mid-generation, recovery timeout, SIGTERM drain;
+an executor that comes back different; a second scheduler on one executor."""
 from __future__ import annotations
 
 import signal
@@ -11,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from pagedserve_client import Client
-from tests.servers import Servers, health_status
+from tests.servers import Servers, free_port, health_status, wait_serving
 
 pytestmark = pytest.mark.e2e
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -94,3 +95,56 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
         assert s.scheduler.wait(timeout=30) == 0
         s.executor.send_signal(signal.SIGTERM)
         assert s.executor.wait(timeout=30) == 0
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_second_scheduler_is_refused_until_the_first_is_gone():
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"]) as s, Client(s.public_addr) as c:
+        second_addr = f"127.0.0.1:{free_port()}"
+        second = s._spawn("scheduler_svc", ["--listen", second_addr, "--executor", s.executor_addr], "scheduler2.log")
+        try:
+            wait_for(lambda: "another scheduler is connected" in s.logs("scheduler2"), 60, "refusal in the log")
+            assert health_status(second_addr) != SERVING
+            # The first scheduler's requests were not disturbed by the refused handshakes.
+            assert c.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
+            s.scheduler.send_signal(signal.SIGKILL)
+            s.scheduler.wait()
+            wait_serving(second_addr, [second], timeout=60)
+            with Client(second_addr) as c2:
+                assert c2.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
+        finally:
+            second.terminate()
+            second.wait(timeout=30)
+
+
+def test_executor_back_with_another_kv_size_is_adopted():
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"]) as s, Client(s.public_addr) as c:
+        before = c.server_status().kv_blocks_total
+        s.executor.send_signal(signal.SIGTERM)
+        s.executor.wait()
+        s.executor_args = ["--dtype", "float32", "--kv-cache-gib", "0.1"]
+        s.start_executor()
+        wait_for(lambda: health_status(s.public_addr) == SERVING and c.server_status().kv_blocks_total != before,
+                 180, "serving with the new KV capacity")
+        assert abs(c.server_status().kv_blocks_total - before / 2) <= 2
+        assert c.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
+        assert "executor_kv_capacity_changed" in s.logs("scheduler")
+
+
+def test_executor_back_with_another_model_is_refused_loudly(tmp_path):
+    from tests.model_utils import save_tiny_model_with_tokenizer
+
+    save_tiny_model_with_tokenizer(str(tmp_path / "tiny"))
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"]) as s:
+        s.executor.send_signal(signal.SIGTERM)
+        s.executor.wait()
+        s.executor_args = ["--dtype", "float32", "--kv-cache-gib", "0.2", "--model", str(tmp_path / "tiny")]
+        s.start_executor()
+        wait_for(lambda: "executor_refused" in s.logs("scheduler"), 180, "refusal in the scheduler's log")
+        assert "different model" in s.logs("scheduler") and health_status(s.public_addr) == NOT_SERVING

@@ -1,6 +1,8 @@
 """Scheduler under aborts, failed steps and executor loss, driven through FakeExecutor."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fake_executor import FakeExecutor, audit, run_steps
 from scheduler_factories import VOCAB, expected_outputs, make_request, make_scheduler, step
@@ -178,3 +180,24 @@ def test_reset_for_executor_loss_recomputes_everything():
     run_steps(scheduler, executor)
     for rid, r in requests.items():
         assert r.output_token_ids == expected_outputs(prompts[rid], 6)
+
+
+def test_resize_after_executor_loss_plans_for_the_new_capacity():
+    scheduler = make_scheduler(num_blocks=64, max_model_len=128)
+    executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
+    prompts = {"short": [1] * 10, "long": [2] * 40}
+    requests = {rid: make_request(rid, p, max_tokens=20) for rid, p in prompts.items()}
+    for r in requests.values():
+        scheduler.add_request(r)
+    step(scheduler, executor)
+    with pytest.raises(AssertionError, match="requests running"):
+        scheduler.resize(dataclasses.replace(scheduler.config, num_blocks=16, max_model_len=56))
+
+    scheduler.reset_for_executor_loss()
+    aborted = scheduler.resize(dataclasses.replace(scheduler.config, num_blocks=16, max_model_len=56))
+    assert [r.request_id for r in aborted] == ["long"]  # 40 + 20 tokens no longer fit
+    assert requests["long"].status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.kv_cache_manager.num_total_blocks == 15  # block 0 is reserved
+    executor = FakeExecutor.for_scheduler(scheduler, VOCAB)  # the executor that came back
+    run_steps(scheduler, executor)
+    assert requests["short"].output_token_ids == expected_outputs(prompts["short"], 20)
