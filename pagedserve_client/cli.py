@@ -84,6 +84,11 @@ def main(argv=None) -> int:
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        except ValueError as e:  # a value the request cannot carry, caught before sending
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # leaving the stream cancels the request on the server
+            return 130
     return 0
 
 

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,12 +35,14 @@ def build_request(prompt: str | None = None, *, token_ids=None, messages=None, r
         req.token_ids.ids.extend(token_ids)
     else:
         req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
-    for name in _SAMPLING:
-        if kwargs.get(name) is not None:
-            setattr(req.sampling, name, kwargs[name])
-    for name in _STOPPING:
-        if kwargs.get(name) is not None:
-            setattr(req.stopping, name, kwargs[name])
+    for group, names in ((req.sampling, _SAMPLING), (req.stopping, _STOPPING)):
+        for name in names:
+            value = kwargs.get(name)
+            if value is not None:
+                try:
+                    setattr(group, name, value)
+                except (TypeError, ValueError) as e:  # e.g. a negative or too large integer
+                    raise ValueError(f"{name}={value!r}: {e}") from None
     req.stopping.stop.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
     return req
@@ -92,6 +94,38 @@ def _metadata(token: str | None):
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+class GenerateStream:
+    """A Generate call as an iterator of responses that cancels the request once
+    dropped (e.g. after `break` out of a for loop) or closed, so that the
+    scheduler frees its KV blocks at once. Other call methods (`cancel`,
+    `code`, `details`, ...) pass through. grpc's own call object is also
+    referenced by grpc's threads while the stream is open, so dropping it
+    alone would leave the request generating."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> "GenerateStream":
+        return self
+
+    def __next__(self) -> pb.GenerateResponse:
+        return next(self._call)
+
+    def close(self) -> None:
+        self._call.cancel()  # a no-op once the call has ended
+
+    __del__ = close
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None):
@@ -100,8 +134,8 @@ class Client:
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
 
-    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
-        return self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md)
+    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateStream:
+        return GenerateStream(self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md))
 
     def complete(self, prompt=None, *, timeout: float | None = None, **kwargs) -> list[Completion]:
         """Runs a request to the end; one Completion per sample (n of them)."""
@@ -167,6 +201,10 @@ class AsyncClient:
         async for msg in self.generate(prompt, timeout=timeout, metadata=metadata, **kwargs):
             out.setdefault(msg.index, Completion()).add(msg)
         return [out[i] for i in sorted(out)]
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, *, metadata=()) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._stub.Tokenize(req, metadata=self._md + tuple(metadata))).token_ids)
 
     async def detokenize(self, token_ids, skip_special_tokens: bool = True, *, metadata=()) -> str:
         req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)

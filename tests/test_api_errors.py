@@ -136,3 +136,13 @@ def test_server_still_serves_and_holds_no_blocks_afterwards(client):
     assert out.completion_tokens == 5 or out.finish_reason == "stop"
     status = client.server_status()
     assert status.kv_blocks_used == 0 and status.num_running == 0 and status.num_waiting == 0
+
+
+def test_cli_reports_values_a_request_cannot_carry_without_a_traceback():
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "pagedserve_client.cli", "--target", "127.0.0.1:1", "generate", "Hi"]
+    for flag, value in (("--max-tokens", "-3"), ("--seed", "-1"), ("--top-k", "99999999999")):
+        out = subprocess.run([*cli, flag, value], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr
