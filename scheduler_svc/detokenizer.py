@@ -96,7 +96,10 @@ class IncrementalDetokenizer:
         """True after a stop string matched or flush() was called."""
         return self._finished
 
-    def add_tokens(self, new_token_ids: list[int]) -> DetokenizerDelta:
+    def add_tokens(self, new_token_ids: list[int], stops_armed: bool = True) -> DetokenizerDelta:
+        """The text `new_token_ids` make safe to show. While `stops_armed` is
+        False (the sample has fewer than min_tokens outputs, as in vLLM) stop
+        strings neither match nor hold text back: that text is never searched."""
         if self._finished:
             raise RuntimeError("add_tokens after the sample finished (stop matched or flushed)")
         if not new_token_ids:
@@ -109,6 +112,9 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("")
         new_text = full_text[len(self._prefix_text):]
         self._advance()
+        if not stops_armed:
+            text, self._held = self._held + new_text, ""
+            return DetokenizerDelta(text)
         return self._release(new_text, final=False)
 
     def flush(self) -> str:

@@ -293,7 +293,7 @@ class Engine:
                 continue
             req = sample.request
             self._observe_tokens(sample, len(out.new_token_ids))
-            delta = sample.detok.add_tokens(out.new_token_ids)
+            delta = sample.detok.add_tokens(out.new_token_ids, stops_armed=req.num_output_tokens >= req.min_tokens)
             msg = SampleOutput(sample.index, list(out.new_token_ids), delta.text, list(out.new_logprobs))
             if delta.matched_stop is not None:
                 if not out.finished:

@@ -187,6 +187,17 @@ def test_possible_stop_prefix_is_held_then_released(tok):
     assert detok.flush() == "Hello"  # EOS: the held prefix is released
 
 
+def test_unarmed_stops_neither_match_nor_hold_text(tok):
+    ids = tok.encode("Hi, world. Hi, world.", add_special_tokens=False)
+    half = len(tok.encode("Hi, world.", add_special_tokens=False))
+    detok = IncrementalDetokenizer(tok, [], ["world", "Hi, wor"])
+    # Before min_tokens: everything shows, even a held-back-worthy "Hi, wor" tail.
+    shown = "".join(detok.add_tokens([t], stops_armed=False).text for t in ids[:half])
+    assert shown == "Hi, world." and not detok.finished
+    delta = detok.add_tokens(ids[half:])  # armed: the next occurrence matches
+    assert (delta.text, delta.matched_stop) == (" ", "Hi, wor") and detok.finished
+
+
 def test_stop_match_finishes_the_sample(tok):
     detok = IncrementalDetokenizer(tok, [], ["world"])
     delta = detok.add_tokens(tok.encode("Hello world and more", add_special_tokens=False))

@@ -212,6 +212,25 @@ def test_cancelled_stream_frees_its_blocks_within_two_steps(client, n):
     assert idle.num_steps - status.num_steps <= 2, f"blocks freed only after {idle.num_steps - status.num_steps} steps"
 
 
+def test_dropping_a_stream_cancels_its_request(client):
+    for _ in client.generate("Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True,
+                             timeout=120):
+        break  # the loop held the only reference: the request must end now, not at garbage collection
+    wait_idle(client)
+
+
+def test_async_client_tokenizes_like_the_sync_one(servers, client):
+    import asyncio
+
+    from pagedserve_client import AsyncClient
+
+    async def tokenize():
+        async with AsyncClient(servers.public_addr) as ac:
+            return await ac.tokenize("Hello, world!")
+
+    assert asyncio.run(tokenize()) == client.tokenize("Hello, world!")
+
+
 def test_deadline_exceeded_aborts_and_frees(client):
     start = client.server_status().num_steps
     with pytest.raises(grpc.RpcError) as info:
@@ -268,6 +287,22 @@ def test_min_tokens_holds_back_stop_tokens(client):
         assert last.matched_stop_token_id == ids[-1] and len(ids) > 6
     else:
         assert last.finish_reason == LENGTH and len(ids) == 12
+
+
+def test_min_tokens_holds_back_stop_strings(client):
+    prompt = "Count: one, two, three,"
+    free = stream(client, prompt, max_tokens=12, temperature=0.0)
+    text = "".join(m.text for m in free)
+    stop = text[: text.index(",") + 1][-2:]  # ends the greedy text at its first comma
+    early = stream(client, prompt, max_tokens=12, temperature=0.0, stop=[stop])
+    assert early[-1].finish_reason == STOP and len(token_ids(early)) < 6
+
+    held = stream(client, prompt, max_tokens=12, temperature=0.0, stop=[stop], min_tokens=6)
+    assert_well_formed(held)
+    ids = token_ids(held)
+    assert len(ids) >= 6 and ids[: len(token_ids(early))] == token_ids(free)[: len(token_ids(early))]
+    # The first occurrence was in the first 6 tokens' text, so it is shown.
+    assert stop in "".join(m.text for m in held)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
