@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 
@@ -60,9 +61,37 @@ async def serve_worker(config, tp) -> int:
     return 0
 
 
+def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
+    """Sets how this process's idle OpenMP threads wait (and the ranks it starts).
+
+    It must happen before torch loads: the OpenMP runtime (libgomp, which MKL
+    and our native kernels use too) reads it once, when it loads. By default
+    libgomp spins at every barrier for 300,000 pause loops (~15 ms here)
+    before sleeping. That is fast on cores nobody else wants and a collapse
+    when another busy process takes one: the spinning thread burns the time
+    slice of the thread it waits for. `brief` spins 10,000 loops (~0.5 ms):
+    longer than the gaps between parallel regions inside a step, so quiet
+    steps never sleep mid-step, short enough to yield soon under contention.
+    Measured on this project's 2-core machine (docs/benchmarks.md): with one
+    busy process beside it, a 64-decode step took 565-1,151 ms with
+    libgomp's default, 347-421 brief, 304-330 passive; quiet, brief matched
+    the default, passive was up to 2x slower at one decode.
+    """
+    assert "torch" not in sys.modules, "the OpenMP wait policy must be set before torch is imported"
+    if policy == "default":
+        return
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        environ.pop(name, None)
+    if policy == "brief":
+        environ["GOMP_SPINCOUNT"] = "10000"
+    else:
+        environ["OMP_WAIT_POLICY"] = policy.upper()
+
+
 def main(argv=None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_json, service="executor")
+    set_omp_wait_policy(config.omp_wait_policy)
     try:
         import uvloop
     except ImportError:

@@ -11,6 +11,7 @@ from shared.net import is_loopback, validate_address
 DTYPES = ("auto", "float32", "bfloat16")
 CPU_GEMMS = ("auto", "native", "torch")
 GGUF_BLOCKS = ("auto", "off")
+OMP_WAIT_POLICIES = ("brief", "passive", "active", "default")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class ExecutorConfig:
     cpu_gemm: str = "auto"  # auto: the native packed GEMM for float32 on AVX-512 CPUs, else torch's
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    # How idle OpenMP threads wait between parallel regions: brief = spin ~0.5 ms
+    # then sleep, passive = sleep at once, active = spin, default = the runtime's
+    # (libgomp: spin up to ~15 ms). Applied before torch loads: executor_svc/__main__.py.
+    omp_wait_policy: str = "brief"
     max_model_len: int = 0  # 0 = the model's own limit
     tensor_parallel_size: int = 1  # processes (devices) one model is split across; see tensor_parallel.py
     log_level: str = "info"
@@ -46,6 +51,8 @@ class ExecutorConfig:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: expected auto, cpu, torch or triton")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"--cpu-gemm {self.cpu_gemm!r}: expected one of {', '.join(CPU_GEMMS)}")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ValueError(f"--omp-wait-policy {self.omp_wait_policy!r}: expected one of {', '.join(OMP_WAIT_POLICIES)}")
         if self.gguf_blocks not in GGUF_BLOCKS:
             raise ValueError(f"--gguf-blocks {self.gguf_blocks!r}: expected one of {', '.join(GGUF_BLOCKS)}")
         if not self.kv_cache_gib > 0:
@@ -88,6 +95,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                         "packed GEMM's, which off uses from 2 rows, MKL at 1; ~1.6x faster decode at batch 1-2); "
                         "off = float32 weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
+    p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
+                   help="How idle CPU threads wait between parallel regions: brief = spin ~0.5 ms, then sleep; "
+                        "passive = sleep at once (best when other busy processes share the cores, slower "
+                        "single-stream decode); active = spin forever (dedicated cores); default = the OpenMP "
+                        "runtime's (libgomp spins up to ~15 ms, which collapses under CPU contention). "
+                        "Sets OMP_WAIT_POLICY / GOMP_SPINCOUNT for this process.")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="Split the model's heads and MLP across this many processes (one device each; "
@@ -115,6 +128,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             cpu_gemm=a.cpu_gemm,
             gguf_blocks=a.gguf_blocks,
             num_threads=a.num_threads,
+            omp_wait_policy=a.omp_wait_policy,
             max_model_len=a.max_model_len,
             tensor_parallel_size=a.tensor_parallel_size,
             log_level=a.log_level,
