@@ -66,12 +66,12 @@ def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
 
     It must happen before torch loads: the OpenMP runtime (libgomp, which MKL
     and our native kernels use too) reads it once, when it loads. By default
-    libgomp spins at every barrier for 300,000 pause loops (~15 ms here)
+    libgomp spins at every barrier for 300,000 pause loops (3.6-4.2 ms here)
     before sleeping. That is fast on cores nobody else wants and a collapse
     when another busy process takes one: the spinning thread burns the time
-    slice of the thread it waits for. `brief` spins 10,000 loops (~0.5 ms):
-    longer than the gaps between parallel regions inside a step, so quiet
-    steps never sleep mid-step, short enough to yield soon under contention.
+    slice of the thread it waits for. `brief` spins 10,000 (~0.13 ms): meant
+    to outlast most gaps between parallel regions inside a step (tens of µs
+    of Python), and short enough to yield soon under contention.
     Measured on this project's 2-core machine (docs/benchmarks.md): with one
     busy process beside it, a 64-decode step took 565-1,151 ms with
     libgomp's default, 347-421 brief, 304-330 passive; quiet, brief matched

@@ -27,9 +27,9 @@ class ExecutorConfig:
     cpu_gemm: str = "auto"  # auto: the native packed GEMM for float32 on AVX-512 CPUs, else torch's
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    # How idle OpenMP threads wait between parallel regions: brief = spin ~0.5 ms
+    # How idle OpenMP threads wait between parallel regions: brief = spin ~0.13 ms
     # then sleep, passive = sleep at once, active = spin, default = the runtime's
-    # (libgomp: spin up to ~15 ms). Applied before torch loads: executor_svc/__main__.py.
+    # (libgomp: spin up to ~4 ms). Applied before torch loads: executor_svc/__main__.py.
     omp_wait_policy: str = "brief"
     max_model_len: int = 0  # 0 = the model's own limit
     tensor_parallel_size: int = 1  # processes (devices) one model is split across; see tensor_parallel.py
@@ -96,10 +96,10 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                         "off = float32 weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
-                   help="How idle CPU threads wait between parallel regions: brief = spin ~0.5 ms, then sleep; "
+                   help="How idle CPU threads wait between parallel regions: brief = spin ~0.13 ms, then sleep; "
                         "passive = sleep at once (best when other busy processes share the cores, slower "
                         "single-stream decode); active = spin forever (dedicated cores); default = the OpenMP "
-                        "runtime's (libgomp spins up to ~15 ms, which collapses under CPU contention). "
+                        "runtime's (libgomp spins up to ~4 ms, which collapses under CPU contention). "
                         "Sets OMP_WAIT_POLICY / GOMP_SPINCOUNT for this process.")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
