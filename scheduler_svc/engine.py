@@ -247,7 +247,7 @@ class Engine:
             if sample is not None and sample.handle is handle:
                 self.scheduler.abort_request(sample_id)
                 self._samples.pop(sample_id)
-                self.metrics.request_success.labels(FinishReason.ABORT.value).inc()
+                self._observe_finished(sample, FinishReason.ABORT)
         if self._handles.get(handle.request_id) is handle:
             del self._handles[handle.request_id]
             self._log_finished(handle, "abort")
@@ -265,16 +265,20 @@ class Engine:
     def _finish(self, sample: _Sample, out: SampleOutput) -> None:
         self._samples.pop(sample.request.request_id, None)
         handle = sample.handle
-        m, req = self.metrics, sample.request
-        m.request_success.labels(out.finish_reason.value).inc()
-        m.prompt_tokens.inc(req.num_prompt_tokens)
-        m.prompt_len.observe(req.num_prompt_tokens)
-        m.generation_len.observe(req.num_output_tokens)
-        m.e2e.observe(time.monotonic() - handle.arrival)
+        self._observe_finished(sample, out.finish_reason)
         handle.queue.put_nowait(out)
         handle.num_open -= 1
         if handle.num_open == 0 and self._handles.pop(handle.request_id, None) is not None:
             self._log_finished(handle, out.finish_reason.value if out.finish_reason else "")
+
+    def _observe_finished(self, sample: _Sample, reason: FinishReason) -> None:
+        """Every sample that ends, client aborts included, counts once in the per-request metrics."""
+        m, req = self.metrics, sample.request
+        m.request_success.labels(reason.value).inc()
+        m.prompt_tokens.inc(req.num_prompt_tokens)
+        m.prompt_len.observe(req.num_prompt_tokens)
+        m.generation_len.observe(req.num_output_tokens)
+        m.e2e.observe(time.monotonic() - sample.handle.arrival)
 
     def _log_finished(self, handle: RequestHandle, reason: str) -> None:
         log.info("request_finished", request_id=handle.request_id, n=handle.n, finish_reason=reason,

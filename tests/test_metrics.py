@@ -65,3 +65,16 @@ def test_metrics_move_with_traffic():
         assert steps == after["pagedserve:num_steps_total"] > 0
         assert ex["pagedserve:executor_batch_tokens_sum"] >= 120 + 3 * 6
         assert ex["pagedserve:executor_failed_steps_total"] == 0
+
+        # A client that goes away still counts its request in the per-request metrics.
+        stream = c.generate("Abandon me:", max_tokens=200, ignore_eos=True, timeout=120)
+        next(stream)
+        stream.close()
+        deadline = time.monotonic() + 30
+        while scrape(sched_port).get("pagedserve:request_success_total{finished_reason=abort}", 0) < 1:
+            assert time.monotonic() < deadline, "the abort was never counted"
+            time.sleep(0.05)
+        aborted = scrape(sched_port)
+        assert aborted["pagedserve:prompt_tokens_total"] - after["pagedserve:prompt_tokens_total"] == \
+            len(c.tokenize("Abandon me:"))
+        assert aborted["pagedserve:request_prompt_tokens_count"] == after["pagedserve:request_prompt_tokens_count"] + 1
