@@ -37,7 +37,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
             self.env_names.append(name)
             if name in self._environ:
                 kwargs["default"] = self._from_env(name, self._environ[name], kwargs)
-            kwargs["help"] = (kwargs.get("help") or "") + f" [env {name}]"
+            default = kwargs.get("default")
+            # Secrets (tokens) are never echoed, not even from the environment.
+            shown = "" if default in (None, "", False) or "token" in flag else f" [default {default}]"
+            kwargs["help"] = (kwargs.get("help") or "") + f"{shown} [env {name}]"
         return super().add_argument(*names, **kwargs)
 
     def _from_env(self, name: str, raw: str, kwargs: dict):

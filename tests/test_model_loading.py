@@ -148,10 +148,13 @@ def test_short_sliding_window_caps_context():
     assert ModelConfig.from_hf_config(qwen).max_position_embeddings == 32768
 
 
-@pytest.mark.parametrize("bad", ["nope.gguf", "folder_without_config"])
-def test_unloadable_path_is_a_clear_error(tmp_path, bad):
+@pytest.mark.parametrize("bad, error", [("nope.gguf", "does not exist"),
+                                        ("folder_without_config", "expected a .gguf file or a folder with config.json"),
+                                        ("weights.bin", "expected a .gguf file or a folder with config.json")])
+def test_unloadable_path_is_a_clear_error(tmp_path, bad, error):
     (tmp_path / "folder_without_config").mkdir()
-    with pytest.raises(ValueError, match="expected a .gguf file or a folder with config.json"):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=error):
         load_model(str(tmp_path / bad), torch.float32, torch.device("cpu"), make_backend("dense"))
 
 
