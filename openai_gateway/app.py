@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 
@@ -40,6 +41,12 @@ _DONE = "data: [DONE]\n\n"
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def model_id(model_name: str) -> str:
+    """The default id /v1/models lists: the model's name as a URL-safe slug
+    ("Smollm2 135M 8k" -> "smollm2-135m-8k"); --served-model-name overrides it."""
+    return re.sub(r"[^a-z0-9._-]+", "-", model_name.lower()).strip("-") or "model"
 
 
 def _auth(request: Request) -> tuple:
@@ -92,7 +99,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.client = AsyncClient(self.config.scheduler, tls_ca=self.config.scheduler_tls_ca or None)
+        # gRPC's reconnect backoff grows to minutes while the scheduler is down; cap it so that
+        # the gateway serves again within ~2 s of the scheduler coming back.
+        self.client = AsyncClient(self.config.scheduler, tls_ca=self.config.scheduler_tls_ca or None,
+                                  options=(("grpc.max_reconnect_backoff_ms", 2000),))
         try:
             yield
         finally:
@@ -111,7 +121,7 @@ class Gateway:
             info = await self.client.model_info(metadata=_auth(request))
         except grpc.RpcError as e:
             raise from_grpc(e, {}) from e
-        return {"id": self.config.served_model_name or info.model_name, "object": "model", "created": self.started,
+        return {"id": self.config.served_model_name or model_id(info.model_name), "object": "model", "created": self.started,
                 "owned_by": "pagedserve", "max_model_len": info.max_model_len_tokens}
 
     async def list_models(self, request: Request) -> Response:

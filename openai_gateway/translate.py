@@ -24,6 +24,7 @@ from pagedserve_client import Completion
 COMPLETION, CHAT = "text_completion", "chat.completion"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 _UINT32, _INT32, _UINT64 = (0, 2**32 - 1), (-(2**31), 2**31 - 1), (0, 2**64 - 1)
+_MAX_TOKENS = (1, 2**32 - 1)
 
 
 class APIError(Exception):
@@ -174,7 +175,7 @@ def completion_request(body: Mapping) -> Translated:
         raise _bad("prompt", "one prompt per request: send each prompt of a batch as its own request")
     else:
         raise _bad("prompt", "expected a string or a non-empty list of token ids")
-    kwargs["max_tokens"] = _int(body, "max_tokens", _UINT32)
+    kwargs["max_tokens"] = _int(body, "max_tokens", _MAX_TOKENS)
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     kwargs["logprobs"] = _int(body, "logprobs", _UINT32)
@@ -198,6 +199,8 @@ def _message(i: int, m) -> dict:
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(p["text"] for p in content)
     elif content is None:
+        if m["role"] != "assistant":  # only an assistant turn (e.g. one that called tools) may lack content
+            raise _bad(f"messages[{i}].content", f"required for role {m['role']!r}")
         content = ""
     elif not isinstance(content, str):
         raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
@@ -213,7 +216,7 @@ def chat_request(body: Mapping) -> Translated:
         raise _bad("messages", "expected a non-empty list of messages")
     kwargs["messages"] = [_message(i, m) for i, m in enumerate(messages)]
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    kwargs["max_tokens"] = _int(body, max_name, _UINT32)
+    kwargs["max_tokens"] = _int(body, max_name, _MAX_TOKENS)
     want_logprobs = bool(_typed(body, "logprobs", bool, "a boolean"))
     top = _int(body, "top_logprobs", _UINT32)
     if top is not None and not want_logprobs:

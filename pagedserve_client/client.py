@@ -180,9 +180,11 @@ class AsyncClient:
     client's own (a gateway passes each caller's `authorization` this way; then give the client no token)."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_cert: str | None = None, tls_key: str | None = None, options: tuple = ()):
+        """`options`: grpc channel arguments, e.g. (("grpc.max_reconnect_backoff_ms", 2000),)."""
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self._channel = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
+        self._channel = (grpc.aio.secure_channel(target, creds, options=options) if creds
+                         else grpc.aio.insecure_channel(target, options=options))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
 

@@ -122,6 +122,7 @@ def test_translated_requests_build_grpc_requests():
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "m", "prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a"}, "model"),
 ])
 def test_untranslatable_requests_name_the_parameter(body, param):
@@ -130,11 +131,26 @@ def test_untranslatable_requests_name_the_parameter(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("message, ok", [({"role": "user"}, False), ({"role": "user", "content": None}, False),
+                                         ({"role": "assistant", "content": None}, True)])
+def test_only_an_assistant_turn_may_lack_content(message, ok):
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, message]}
+    if ok:
+        assert build_request(**chat_request(body).kwargs).chat.messages[1].content == ""
+        return
+    with pytest.raises(APIError) as e:
+        chat_request(body)
+    assert e.value.status == 400 and e.value.param == "messages[1].content"
+
+
 # -- live ----------------------------------------------------------------------------------------
 
 
 def test_models_lists_the_schedulers_model(oai, grpc_client):
-    name = grpc_client.model_info().model_name
+    from openai_gateway.app import model_id
+
+    assert model_id("Smollm2 135M 8k Lc100K Mix1 Ep2") == "smollm2-135m-8k-lc100k-mix1-ep2"
+    name = model_id(grpc_client.model_info().model_name)
     assert [m.id for m in oai.models.list().data] == [name]
     assert oai.models.retrieve(name).id == name
     with pytest.raises(openai.NotFoundError):
