@@ -243,3 +243,10 @@ def test_each_pass_gets_a_distinct_first_token_and_the_same_work():
     for x, y, orig in zip(a, b, reqs):
         assert x.prompt_token_ids[1:] == y.prompt_token_ids[1:] == orig.prompt_token_ids[1:]
         assert len(x.prompt_token_ids) == len(orig.prompt_token_ids) and x.max_tokens == orig.max_tokens
+
+
+def test_omp_wait_child_times_steps_under_a_policy():
+    from bench.omp_wait import run_child
+
+    ms = run_child("brief", "1,2", busy=True)
+    assert set(ms) == {"1", "2"} and all(v > 0 for v in ms.values())
