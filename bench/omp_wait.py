@@ -1,6 +1,6 @@
 """Decode step times under each --omp-wait-policy, on quiet cores and beside a busy process.
 
-    .venv/bin/python -m bench.omp_wait [--rounds 2] [--batch-sizes 1,8,64] [--policies brief,passive,default]
+    .venv/bin/python -m bench.omp_wait [--rounds 2] [--batch-sizes 1,8,64] [--policies default,passive]
 
 The OpenMP runtime reads its wait policy once, when torch loads, so every
 (policy, condition) runs in a fresh interpreter (`--child`), which sets the
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--policies", default="brief,passive,default")
+    p.add_argument("--policies", default="default,passive")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]

@@ -65,26 +65,18 @@ def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
     """Sets how this process's idle OpenMP threads wait (and the ranks it starts).
 
     It must happen before torch loads: the OpenMP runtime (libgomp, which MKL
-    and our native kernels use too) reads it once, when it loads. By default
-    libgomp spins at every barrier for 300,000 pause loops (3.6-4.2 ms here)
-    before sleeping. That is fast on cores nobody else wants and a collapse
-    when another busy process takes one: the spinning thread burns the time
-    slice of the thread it waits for. `brief` spins 10,000 (~0.13 ms): meant
-    to outlast most gaps between parallel regions inside a step (tens of µs
-    of Python), and short enough to yield soon under contention.
-    Measured on this project's 2-core machine (docs/benchmarks.md): with one
-    busy process beside it, a 64-decode step took 565-1,151 ms with
-    libgomp's default, 347-421 brief, 304-330 passive; quiet, brief matched
-    the default, passive was up to 2x slower at one decode.
+    and our native kernels use too) reads OMP_WAIT_POLICY once, when it
+    loads. By default libgomp spins at every barrier for 300,000 pause loops
+    (3.6-4.2 ms here) before sleeping: fastest on cores nobody else wants, and
+    a collapse when another busy process takes one, since the spinning thread
+    burns the time slice of the thread it waits for. `passive` sleeps at once.
+    Measured on this project's 2-core machine (`python -m bench.omp_wait`,
+    docs/benchmarks.md): beside one busy process a 64-decode step took 507 ms
+    with the default and 307-318 passive; on free cores passive was slower
+    (one decode 37-46 vs 30 ms) and so was the headline run (0.88x, 0.82x).
     """
     assert "torch" not in sys.modules, "the OpenMP wait policy must be set before torch is imported"
-    if policy == "default":
-        return
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        environ.pop(name, None)
-    if policy == "brief":
-        environ["GOMP_SPINCOUNT"] = "10000"
-    else:
+    if policy != "default":
         environ["OMP_WAIT_POLICY"] = policy.upper()
 
 

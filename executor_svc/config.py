@@ -11,7 +11,7 @@ from shared.net import is_loopback, validate_address
 DTYPES = ("auto", "float32", "bfloat16")
 CPU_GEMMS = ("auto", "native", "torch")
 GGUF_BLOCKS = ("auto", "off")
-OMP_WAIT_POLICIES = ("brief", "passive", "active", "default")
+OMP_WAIT_POLICIES = ("default", "passive", "active")
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,11 @@ class ExecutorConfig:
     cpu_gemm: str = "auto"  # auto: the native packed GEMM for float32 on AVX-512 CPUs, else torch's
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    # How idle OpenMP threads wait between parallel regions: brief = spin ~0.13 ms
-    # then sleep, passive = sleep at once, active = spin, default = the runtime's
-    # (libgomp: spin up to ~4 ms). Applied before torch loads: executor_svc/__main__.py.
-    omp_wait_policy: str = "brief"
+    # How idle OpenMP threads wait between parallel regions: default = the
+    # runtime's (libgomp: spin ~4 ms, then sleep), passive = sleep at once (for
+    # cores shared with other busy processes), active = spin. Applied before
+    # torch loads: executor_svc/__main__.py.
+    omp_wait_policy: str = "default"
     max_model_len: int = 0  # 0 = the model's own limit
     tensor_parallel_size: int = 1  # processes (devices) one model is split across; see tensor_parallel.py
     log_level: str = "info"
@@ -96,11 +97,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                         "off = float32 weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
-                   help="How idle CPU threads wait between parallel regions: brief = spin ~0.13 ms, then sleep; "
-                        "passive = sleep at once (best when other busy processes share the cores, slower "
-                        "single-stream decode); active = spin forever (dedicated cores); default = the OpenMP "
-                        "runtime's (libgomp spins up to ~4 ms, which collapses under CPU contention). "
-                        "Sets OMP_WAIT_POLICY / GOMP_SPINCOUNT for this process.")
+                   help="How idle CPU threads wait between parallel regions: default = the OpenMP runtime's "
+                        "(libgomp spins ~4 ms, then sleeps: fastest on cores of its own; beside another busy "
+                        "process its 64-decode steps ran 1.6-3.6x slower than passive's); passive = sleep at "
+                        "once (for shared cores; slower when the cores are free); active = always spin. "
+                        "Sets OMP_WAIT_POLICY for this process.")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="Split the model's heads and MLP across this many processes (one device each; "

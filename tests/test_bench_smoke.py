@@ -248,5 +248,5 @@ def test_each_pass_gets_a_distinct_first_token_and_the_same_work():
 def test_omp_wait_child_times_steps_under_a_policy():
     from bench.omp_wait import run_child
 
-    ms = run_child("brief", "1,2", busy=True)
+    ms = run_child("passive", "1,2", busy=True)
     assert set(ms) == {"1", "2"} and all(v > 0 for v in ms.values())
