@@ -66,6 +66,11 @@ def main(argv=None) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    from executor_svc.config import OMP_WAIT_POLICIES
+
+    unknown = set(a.policies.split(",")) - set(OMP_WAIT_POLICIES)
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}; expected some of {', '.join(OMP_WAIT_POLICIES)}")
     if a.child:
         child(a.child, batch_sizes)
         return
