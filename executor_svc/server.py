@@ -7,6 +7,7 @@ for health checks and the next plan's decoding.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +25,9 @@ from shared.step_codec import plan_from_proto, result_to_proto
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-STREAM_CLOSE_GRACE_S = 2.0
+STREAM_CLOSE_GRACE_S = 2.0  # how long another scheduler's handshake waits for the owner's stream to close
+CLAIM_S = 10.0  # how long a handshake holds the executor before its Step stream opens
+SCHEDULER_ID_KEY = "pagedserve-scheduler-id"
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -33,29 +36,27 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._metrics = metrics
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._instance_id = uuid.uuid4().hex
-        self._active_stream: grpc.aio.ServicerContext | None = None
+        # The scheduler this executor serves: claimed by a handshake, held while
+        # its Step stream is open (or, before that stream opens, for CLAIM_S).
+        self._owner = ""  # its scheduler_id
+        self._claimed_at = 0.0  # monotonic time of the owner's last handshake
+        self._stream_replaced: asyncio.Event | None = None  # set to end the owner's open Step stream
         self._stream_closed = asyncio.Event()  # set whenever no Step stream is open
         self._stream_closed.set()
+        self._handshake_lock = asyncio.Lock()  # one handshake at a time: check, claim, configure
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if request.block_size_tokens == 0 or request.block_size_tokens > 256:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}")
-        # One executor serves one scheduler. A handshake would reset the request
-        # state the connected scheduler relies on, so a second one is refused.
-        # A scheduler that died or reconnects releases its stream when its
-        # connection closes: at once when its process ends, within the
-        # keepalive (~40 s) after a network partition.
-        # A reconnecting scheduler's own old stream may still be closing: give it a moment.
-        try:
-            await asyncio.wait_for(self._stream_closed.wait(), STREAM_CLOSE_GRACE_S)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "another scheduler is connected to this executor (one executor serves one scheduler)")
-        loop = asyncio.get_running_loop()
-        info = await loop.run_in_executor(
-            self._worker, self._state.configure, request.block_size_tokens,
-            request.max_num_batched_tokens, request.max_num_seqs,
-        )
+        if not request.scheduler_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id must be set")
+        async with self._handshake_lock:
+            await self._claim(request.scheduler_id, context)
+            loop = asyncio.get_running_loop()
+            info = await loop.run_in_executor(
+                self._worker, self._state.configure, request.block_size_tokens,
+                request.max_num_batched_tokens, request.max_num_seqs,
+            )
         log.info("handshake", block_size=request.block_size_tokens, num_kv_blocks=info.num_kv_blocks)
         m, t = info.model, info.tokenizer
         return pb.HandshakeResponse(
@@ -75,24 +76,63 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             attention_backend=info.attention_backend,
         )
 
+    async def _claim(self, scheduler_id: str, context) -> None:
+        """Makes `scheduler_id` the owner, or aborts the handshake.
+
+        One executor serves one scheduler: a handshake resets the request state
+        the owner relies on. The owner's own handshake (a reconnect) replaces
+        its old stream at once. Another scheduler waits STREAM_CLOSE_GRACE_S for
+        the owner's stream to close and is refused if it does not; an owner
+        that died releases it when its connection closes (at once when its
+        process ends, within the keepalive, ~40 s, after a partition).
+        """
+        if scheduler_id == self._owner and self._stream_replaced is not None:
+            self._stream_replaced.set()
+            await self._stream_closed.wait()
+        elif scheduler_id != self._owner and self._owner:
+            try:
+                await asyncio.wait_for(self._stream_closed.wait(), STREAM_CLOSE_GRACE_S)
+            except asyncio.TimeoutError:
+                pass
+            unopened = self._stream_replaced is None and time.monotonic() - self._claimed_at < CLAIM_S
+            if self._stream_replaced is not None or unopened:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "another scheduler is connected to this executor (one executor serves one scheduler)")
+        self._owner, self._claimed_at = scheduler_id, time.monotonic()
+
     async def Step(self, request_iterator, context):
-        if self._active_stream is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler's Step stream is open on this executor")
-        if not self._state.configured:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Handshake must precede Step")
-        self._active_stream = context
+        scheduler_id = dict(context.invocation_metadata()).get(SCHEDULER_ID_KEY, "")
+        if not self._state.configured or not scheduler_id or scheduler_id != self._owner:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "Step needs a handshake from the same scheduler first (one executor serves one scheduler)")
+        if self._stream_replaced is not None:  # the owner's old stream is still open: end it first
+            self._stream_replaced.set()
+            await self._stream_closed.wait()
+        replaced = self._stream_replaced = asyncio.Event()
         self._stream_closed.clear()
         loop = asyncio.get_running_loop()
         try:
-            async for msg in request_iterator:
+            while True:
+                # Wait for the next plan, or for this stream to be replaced by its owner's reconnect.
+                read = asyncio.ensure_future(context.read())
+                gone = asyncio.ensure_future(replaced.wait())
+                await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+                if replaced.is_set():
+                    read.cancel()
+                    await context.abort(grpc.StatusCode.ABORTED, "replaced by a newer stream of the same scheduler")
+                msg = read.result()
+                if msg is grpc.aio.EOF:
+                    return
                 plan = plan_from_proto(msg)
                 result = await loop.run_in_executor(self._worker, self._state.runner.execute, plan)
                 self._metrics.observe(plan, result)
-                yield result_to_proto(result)
+                await context.write(result_to_proto(result))
         finally:
-            if self._active_stream is context:
-                self._active_stream = None
-                self._stream_closed.set()
+            if self._stream_replaced is replaced:
+                self._stream_replaced = None
+                self._claimed_at = 0.0  # the owner keeps its id for a reconnect, not its claim
+            self._stream_closed.set()
 
 
 async def serve(state: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:

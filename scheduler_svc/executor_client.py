@@ -5,6 +5,7 @@ Protobuf stays in this file; the engine sees `ExecutorInfo`, `StepPlan` and
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +22,8 @@ class ExecutorLost(ConnectionError):
 
 class ExecutorRefused(ExecutorLost):
     """The executor answered the handshake with a refusal (another scheduler holds
-    it, a bad token, a different model than before): waiting alone will not help."""
+    it, a bad token, a different model than before): worth an operator's look,
+    since waiting alone may not help."""
 
 
 # Handshake failures that mean "not reachable (yet)"; any other code is a refusal.
@@ -52,6 +54,9 @@ class ExecutorInfo:
 class ExecutorClient:
     def __init__(self, address: str, auth_token: str = ""):
         self._address = address
+        # One id per scheduler process: the executor lets the same scheduler reconnect at once
+        # and refuses a different one while this one holds it.
+        self.scheduler_id = uuid.uuid4().hex
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExecutorStub | None = None
@@ -78,6 +83,7 @@ class ExecutorClient:
                     block_size_tokens=block_size,
                     max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs,
+                    scheduler_id=self.scheduler_id,
                 ),
                 timeout=timeout_s,
                 metadata=self._metadata,
@@ -86,7 +92,7 @@ class ExecutorClient:
         except grpc.aio.AioRpcError as e:
             error = ExecutorLost if e.code() in _UNREACHABLE else ExecutorRefused
             raise error(f"handshake with {self._address} failed: {e.code().name}: {e.details()}") from e
-        self._call = self._stub.Step(metadata=self._metadata)
+        self._call = self._stub.Step(metadata=self._metadata + (("pagedserve-scheduler-id", self.scheduler_id),))
         m, t = resp.model, resp.tokenizer
         return ExecutorInfo(
             model_name=m.model_name, architecture=m.architecture, vocab_size=m.vocab_size,

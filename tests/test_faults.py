@@ -134,7 +134,7 @@ def test_executor_back_with_another_kv_size_is_adopted():
                  180, "serving with the new KV capacity")
         assert abs(c.server_status().kv_blocks_total - before / 2) <= 2
         assert c.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
-        assert "executor_kv_capacity_changed" in s.logs("scheduler")
+        assert "executor_capacity_changed" in s.logs("scheduler")
 
 
 def test_executor_back_with_another_model_is_refused_loudly(tmp_path):
@@ -148,3 +148,54 @@ def test_executor_back_with_another_model_is_refused_loudly(tmp_path):
         s.start_executor()
         wait_for(lambda: "executor_refused" in s.logs("scheduler"), 180, "refusal in the scheduler's log")
         assert "different model" in s.logs("scheduler") and health_status(s.public_addr) == NOT_SERVING
+
+
+def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused():
+    """The Handshake/Step ownership rules against a real executor, driven by hand."""
+    from pagedserve.executor.v1 import executor_pb2 as epb
+    from pagedserve.executor.v1 import executor_pb2_grpc as epb_grpc
+
+    s = Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.1"])
+    s.start_executor()
+    try:
+        wait_for(lambda: health_status(s.executor_addr) == SERVING, 180, "executor serving")
+        with grpc.insecure_channel(s.executor_addr) as ch:
+            stub = epb_grpc.ExecutorStub(ch)
+
+            def handshake(sid):
+                return stub.Handshake(epb.HandshakeRequest(block_size_tokens=16, max_num_batched_tokens=64,
+                                                           max_num_seqs=4, scheduler_id=sid), timeout=30)
+
+            def refused(call) -> bool:
+                try:
+                    call()
+                except grpc.RpcError as e:
+                    return e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                return False
+
+            handshake("A")
+            # A second scheduler is refused while A's claim is fresh, even before A's stream opens.
+            with ThreadPoolExecutor(2) as pool:
+                assert all(pool.map(refused, [lambda: handshake("B"), lambda: handshake("C")]))
+            plans = __import__("queue").Queue()
+            stream_a = stub.Step(iter(plans.get, None), metadata=(("pagedserve-scheduler-id", "A"),))
+            plans.put(epb.StepPlan(step_id=1))
+            assert next(stream_a).step_id == 1
+            t0 = time.monotonic()
+            assert refused(lambda: handshake("B"))  # after the 2 s grace: A's stream stays open
+            assert time.monotonic() - t0 >= 1.5
+            assert refused(lambda: list(stub.Step(iter([epb.StepPlan(step_id=1)]),
+                                                  metadata=(("pagedserve-scheduler-id", "B"),), timeout=10)))
+            # A reconnects (its old stream possibly half-open): at once, and the old stream ends.
+            t0 = time.monotonic()
+            handshake("A")
+            assert time.monotonic() - t0 < 1.5
+            with pytest.raises(grpc.RpcError):
+                next(stream_a)
+            stream_a2 = stub.Step(iter([epb.StepPlan(step_id=2)]), metadata=(("pagedserve-scheduler-id", "A"),))
+            assert [r.step_id for r in stream_a2] == [2]
+            # A's stream closed: B may take over.
+            handshake("B")
+            plans.put(None)
+    finally:
+        s.stop()
