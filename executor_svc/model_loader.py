@@ -47,7 +47,7 @@ def open_checkpoint(path: str | None):
     if os.path.isfile(path) and path.endswith(".gguf"):
         return GGUFCheckpoint(path), lambda: TokenizerInfo.from_gguf(path)
     if not os.path.exists(path):
-        raise ValueError(f"--model {path!r} does not exist")
+        raise ValueError(f"model path {path!r} does not exist")
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return HFCheckpoint(path), lambda: TokenizerInfo.from_hf_folder(path)
     raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json")

@@ -95,12 +95,11 @@ def _metadata(token: str | None):
 
 
 class GenerateStream:
-    """A Generate call as an iterator of responses that cancels the request once
-    dropped (e.g. after `break` out of a for loop) or closed, so that the
-    scheduler frees its KV blocks at once. Other call methods (`cancel`,
-    `code`, `details`, ...) pass through. grpc's own call object is also
-    referenced by grpc's threads while the stream is open, so dropping it
-    alone would leave the request generating."""
+    """A Generate call as an iterator of responses. `close()` (or leaving a
+    `with` block) cancels the request, so the scheduler frees its KV blocks
+    at once, as does dropping the last reference (grpc cancels a collected
+    call too). Other call methods (`cancel`, `code`, `details`, ...) pass
+    through."""
 
     def __init__(self, call):
         self._call = call
@@ -112,11 +111,15 @@ class GenerateStream:
         return next(self._call)
 
     def close(self) -> None:
-        self._call.cancel()  # a no-op once the call has ended
+        call = self.__dict__.get("_call")
+        if call is not None:
+            call.cancel()  # a no-op once the call has ended
 
     __del__ = close
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "_call":  # copy, pickle, a half-built object: no recursion
+            raise AttributeError(name)
         return getattr(self._call, name)
 
     def __enter__(self) -> "GenerateStream":

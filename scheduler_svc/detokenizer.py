@@ -59,7 +59,8 @@ class IncrementalDetokenizer:
     - no delta ends mid-character;
     - with a stop match, the joined deltas end right before the earliest-ending
       stop occurrence (right after it with include_stop_str_in_output), and no
-      text of the stop (or after it) was ever emitted before that.
+      text of the stop (or after it) was ever emitted before that; occurrences
+      in text released while stops were unarmed (min_tokens) do not count.
     """
 
     def __init__(
@@ -98,8 +99,10 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: list[int], stops_armed: bool = True) -> DetokenizerDelta:
         """The text `new_token_ids` make safe to show. While `stops_armed` is
-        False (the sample has fewer than min_tokens outputs, as in vLLM) stop
-        strings neither match nor hold text back: that text is never searched."""
+        False (the sample has fewer than min_tokens outputs) stop strings
+        neither match nor hold text back: text released then is never searched,
+        so a stop string that starts before arming cannot match. (Tokens still
+        undecoded when arming comes, e.g. half a character, are searched.)"""
         if self._finished:
             raise RuntimeError("add_tokens after the sample finished (stop matched or flushed)")
         if not new_token_ids:

@@ -33,8 +33,8 @@ log = structlog.get_logger(__name__)
 
 
 def _model_facts(info: ExecutorInfo) -> tuple:
-    """What requests were tokenized and validated against."""
-    return (info.model_name, info.vocab_size, info.max_model_len, info.tokenizer_json, info.chat_template)
+    """What requests were tokenized and validated against (the context length is a capacity: it may change)."""
+    return (info.model_name, info.vocab_size, info.eos_token_ids, info.tokenizer_json, info.chat_template)
 
 
 class FinishReason(enum.Enum):
@@ -141,19 +141,28 @@ class Engine:
         if self.info is None:
             self.info = info
             self.tokenizer = Tokenizer.from_info(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token)
-            self.scheduler = Scheduler(self._scheduler_config(info))
+            config = self._scheduler_config(info)
+            self.max_model_len = config.max_model_len
+            self.scheduler = Scheduler(config)
         elif _model_facts(info) != _model_facts(self.info):
             # Requests were tokenized and validated for the old model: restart the scheduler to serve this one.
             await self.client.close()
             raise ExecutorRefused(f"the executor came back serving a different model ({info.model_name}, vocab "
-                                  f"{info.vocab_size}, context {info.max_model_len}); restart the scheduler")
-        elif info.num_kv_blocks != self.info.num_kv_blocks:
+                                  f"{info.vocab_size}); restart the scheduler")
+        elif (info.num_kv_blocks, info.max_model_len) != (self.info.num_kv_blocks, self.info.max_model_len):
             # It lost every KV block anyway (reset_for_executor_loss ran): adopt the new capacity.
-            log.warning("executor_kv_capacity_changed", old_blocks=self.info.num_kv_blocks, new_blocks=info.num_kv_blocks)
-            self.info = info
-            for request in self.scheduler.resize(self._scheduler_config(info)):
-                self._fail_sample(request.request_id, f"the executor restarted with less KV memory: prompt + "
-                                  f"max_tokens now exceeds the {self.max_model_len} tokens one request can hold")
+            try:
+                config = self._scheduler_config(info)
+            except ValueError as e:
+                await self.client.close()
+                raise ExecutorRefused(f"the executor came back with a KV capacity the scheduler cannot use: {e}") from e
+            log.warning("executor_capacity_changed", old_blocks=self.info.num_kv_blocks, new_blocks=info.num_kv_blocks,
+                        old_max_model_len=self.max_model_len, new_max_model_len=config.max_model_len)
+            self.info, self.max_model_len = info, config.max_model_len
+            for request in self.scheduler.resize(config):
+                self._fail_sample(request.request_id, f"the executor restarted with less KV memory: this request's "
+                                  f"{request.num_tokens} tokens no longer fit the {config.max_model_len} one request "
+                                  "can hold", unavailable=True)
         self._set_connected(True)
         log.info("executor_connected", instance_id=info.instance_id, num_kv_blocks=info.num_kv_blocks, device=info.device)
         return info
@@ -169,7 +178,6 @@ class Engine:
         if max_len < info.max_model_len:
             log.warning("max_model_len_capped", model_max_len=info.max_model_len, max_model_len=max_len,
                         reason="KV capacity" if cfg.enable_chunked_prefill else "no chunked prefill")
-        self.max_model_len = max_len
         return SchedulerConfig(
             block_size=cfg.block_size, num_blocks=info.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
@@ -190,20 +198,24 @@ class Engine:
         self._set_connected(False)
         self.scheduler.reset_for_executor_loss()
         deadline = time.monotonic() + self.config.executor_recovery_timeout_s
-        refusal = ""
+        refusal, pause_s = "", 0.25
         while True:
             try:
                 await self.connect()
                 return
             except ExecutorLost as e:
-                if isinstance(e, ExecutorRefused) and str(e) != refusal:  # waiting alone will not fix it: say so, once
-                    refusal = str(e)
-                    log.error("executor_refused", error=refusal)
+                if isinstance(e, ExecutorRefused):
+                    if str(e) != refusal:  # waiting may not fix it: say so, once per reason
+                        refusal = str(e)
+                        log.error("executor_refused", error=refusal)
+                    pause_s = min(2 * pause_s, 5.0)  # and do not hammer an executor that said no
+                else:
+                    pause_s = 0.25
                 if time.monotonic() > deadline and self._samples:
                     log.error("executor_recovery_timeout", live_requests=len(self._samples), error=str(e))
                     for sample_id in list(self._samples):
                         self._fail_sample(sample_id, "", unavailable=True)
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(pause_s)
 
     # ---- requests ---------------------------------------------------------------
 

@@ -9,7 +9,7 @@ once its prefill is done.
     num_tokens = 9, num_prompt_tokens = 6, num_output_tokens = 3, num_computed_tokens = 8
 
 The scheduler mutates `num_computed_tokens`, `block_ids`, `status` and
-`num_preemptions`; the KV cache manager extends `block_hashes`; sampled tokens
+`num_preemptions` (and caps `max_tokens` when the context shrinks); the KV cache manager extends `block_hashes`; sampled tokens
 enter only through `append_output_token`, which is also the one place stop
 conditions are checked.
 """
@@ -97,6 +97,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= _FINISHED_STOPPED
+
+    def cap_max_tokens(self, limit: int) -> None:
+        """Lowers max_tokens to `limit` (the context shrank); the outputs so far must fit under it."""
+        assert self.num_output_tokens < limit, (
+            f"request {self.request_id!r}: {self.num_output_tokens} outputs leave no room under max_tokens {limit}"
+        )
+        self.max_tokens = min(self.max_tokens, limit)
+        self.min_tokens = min(self.min_tokens, self.max_tokens)
 
     def append_output_token(self, token_id: int) -> bool:
         """Appends a sampled token; returns True (and sets the finished status) if it ends the request.

@@ -369,15 +369,23 @@ class Scheduler:
 
     def resize(self, config: SchedulerConfig) -> list[Request]:
         """After an executor loss, the executor came back with a different KV
-        capacity: plan for its blocks from now on. Waiting requests that no
-        longer fit `config.max_model_len` are aborted and returned."""
+        capacity: plan for its blocks from now on. A waiting request whose
+        prompt + max_tokens no longer fits `config.max_model_len` gets the room
+        that is left (it will finish with LENGTH); one whose tokens so far leave
+        no room at all is aborted and returned."""
         assert not self.running, f"resize with {len(self.running)} requests running: call reset_for_executor_loss first"
+        old = self.kv_cache_manager
         self.config = config
         self.kv_cache_manager = _kv_cache_manager(config)
-        too_long = [r for r in self.waiting if r.num_prompt_tokens + r.max_tokens > config.max_model_len]
-        for request in too_long:
+        # Counters exported as monotonic metrics carry over.
+        self.kv_cache_manager.prefix_cache_queries = old.prefix_cache_queries
+        self.kv_cache_manager.prefix_cache_hits = old.prefix_cache_hits
+        no_room = [r for r in self.waiting if r.num_tokens >= config.max_model_len]
+        for request in no_room:
             self.abort_request(request.request_id)
-        return too_long
+        for request in self.waiting:
+            request.cap_max_tokens(config.max_model_len - request.num_prompt_tokens)
+        return no_room
 
     def reset_for_executor_loss(self) -> None:
         """The executor lost all KV and request state: recompute every running request.

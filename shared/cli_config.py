@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Mapping
 
 ENV_PREFIX = "PAGEDSERVE_"
+SECRET_FLAGS = frozenset({"--auth-token", "--executor-auth-token"})  # never shown in --help
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -38,9 +39,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
             if name in self._environ:
                 kwargs["default"] = self._from_env(name, self._environ[name], kwargs)
             default = kwargs.get("default")
-            # Secrets (tokens) are never echoed, not even from the environment.
-            shown = "" if default in (None, "", False) or "token" in flag else f" [default {default}]"
-            kwargs["help"] = (kwargs.get("help") or "") + f"{shown} [env {name}]"
+            # Secrets are never echoed, not even from the environment; % would be a format directive.
+            secret = flag in SECRET_FLAGS
+            shown = "" if secret or default is None or default is False or default == "" else f" [default {default}]"
+            kwargs["help"] = ((kwargs.get("help") or "") + f"{shown} [env {name}]").replace("%", "%%")
         return super().add_argument(*names, **kwargs)
 
     def _from_env(self, name: str, raw: str, kwargs: dict):

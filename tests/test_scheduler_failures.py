@@ -185,19 +185,24 @@ def test_reset_for_executor_loss_recomputes_everything():
 def test_resize_after_executor_loss_plans_for_the_new_capacity():
     scheduler = make_scheduler(num_blocks=64, max_model_len=128)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
-    prompts = {"short": [1] * 10, "long": [2] * 40}
+    prompts = {"short": [1] * 10, "long": [2] * 40, "huge": [3] * 60}
     requests = {rid: make_request(rid, p, max_tokens=20) for rid, p in prompts.items()}
     for r in requests.values():
         scheduler.add_request(r)
     step(scheduler, executor)
     with pytest.raises(AssertionError, match="requests running"):
         scheduler.resize(dataclasses.replace(scheduler.config, num_blocks=16, max_model_len=56))
+    hits = scheduler.kv_cache_manager.prefix_cache_queries
 
     scheduler.reset_for_executor_loss()
     aborted = scheduler.resize(dataclasses.replace(scheduler.config, num_blocks=16, max_model_len=56))
-    assert [r.request_id for r in aborted] == ["long"]  # 40 + 20 tokens no longer fit
-    assert requests["long"].status == RequestStatus.FINISHED_ABORTED
+    assert [r.request_id for r in aborted] == ["huge"]  # 60 tokens: no room left at all
+    assert requests["huge"].status == RequestStatus.FINISHED_ABORTED
+    assert requests["long"].max_tokens == 16 and requests["short"].max_tokens == 20  # 40 + 16 = 56
     assert scheduler.kv_cache_manager.num_total_blocks == 15  # block 0 is reserved
+    assert scheduler.kv_cache_manager.prefix_cache_queries == hits  # monotonic counters carry over
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)  # the executor that came back
     run_steps(scheduler, executor)
     assert requests["short"].output_token_ids == expected_outputs(prompts["short"], 20)
+    assert requests["long"].output_token_ids == expected_outputs(prompts["long"], 16)
+    assert requests["long"].status == RequestStatus.FINISHED_LENGTH

@@ -212,11 +212,17 @@ def test_cancelled_stream_frees_its_blocks_within_two_steps(client, n):
     assert idle.num_steps - status.num_steps <= 2, f"blocks freed only after {idle.num_steps - status.num_steps} steps"
 
 
-def test_dropping_a_stream_cancels_its_request(client):
+def test_closing_or_dropping_a_stream_cancels_its_request(client):
+    with client.generate("Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True,
+                         timeout=120) as stream:
+        next(stream)
+        assert client.server_status().num_running == 1
+    wait_idle(client, timeout=5)  # closed, still referenced: cancelled by close(), not by garbage collection
+    assert stream.code() == grpc.StatusCode.CANCELLED
     for _ in client.generate("Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True,
                              timeout=120):
-        break  # the loop held the only reference: the request must end now, not at garbage collection
-    wait_idle(client)
+        break  # the loop held the only reference
+    wait_idle(client, timeout=5)
 
 
 def test_async_client_tokenizes_like_the_sync_one(servers, client):
