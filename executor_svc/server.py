@@ -87,8 +87,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         process ends, within the keepalive, ~40 s, after a partition).
         """
         if scheduler_id == self._owner and self._stream_replaced is not None:
-            self._stream_replaced.set()
-            await self._stream_closed.wait()
+            await self._end_open_stream()
         elif scheduler_id != self._owner and self._owner:
             try:
                 await asyncio.wait_for(self._stream_closed.wait(), STREAM_CLOSE_GRACE_S)
@@ -100,14 +99,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                                     "another scheduler is connected to this executor (one executor serves one scheduler)")
         self._owner, self._claimed_at = scheduler_id, time.monotonic()
 
+    async def _end_open_stream(self) -> None:
+        """Ends the owner's open Step stream (it aborts at its next wait) and waits until it has."""
+        self._stream_replaced.set()
+        await self._stream_closed.wait()
+
     async def Step(self, request_iterator, context):
         scheduler_id = dict(context.invocation_metadata()).get(SCHEDULER_ID_KEY, "")
         if not self._state.configured or not scheduler_id or scheduler_id != self._owner:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "Step needs a handshake from the same scheduler first (one executor serves one scheduler)")
         if self._stream_replaced is not None:  # the owner's old stream is still open: end it first
-            self._stream_replaced.set()
-            await self._stream_closed.wait()
+            await self._end_open_stream()
         replaced = self._stream_replaced = asyncio.Event()
         self._stream_closed.clear()
         loop = asyncio.get_running_loop()
