@@ -70,10 +70,12 @@ class ModelRunner:
         self.num_blocks = kv_caches[0][0].shape[0]
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self._last_failed_step_id = 0
 
     def reset(self) -> None:
         """Forgets every request (a new scheduler connected)."""
         self.requests.clear()
+        self._last_failed_step_id = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; on any failure drops the step's requests and reports it."""
@@ -81,12 +83,23 @@ class ModelRunner:
         scheduled_ids = [r.request_id for r in plan.new_requests] + list(plan.cached_requests.request_ids)
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(("step", plan))  # the other ranks run this same method on it
+        if plan.last_result_step_id < self._last_failed_step_id:
+            # Sent before the scheduler saw that step fail (overlap scheduling): it
+            # may name requests the failure dropped, or hit prefix blocks it left
+            # unwritten. Run none of it; the scheduler recomputes its requests.
+            for rid in plan.finished_request_ids + scheduled_ids:
+                self.requests.pop(rid, None)
+            result = StepResult(step_id=plan.step_id, error=f"stale plan: made before step "
+                                f"{self._last_failed_step_id} failed; its requests will be recomputed")
+            result.execute_time_ns = time.perf_counter_ns() - start
+            return result
         try:
             result = self._execute(plan)
         except Exception as e:  # one step's failure must not take down the executor
             log.exception("step_failed", step_id=plan.step_id, request_ids=scheduled_ids)
             for rid in scheduled_ids:
                 self.requests.pop(rid, None)
+            self._last_failed_step_id = plan.step_id
             result = StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids)
         result.execute_time_ns = time.perf_counter_ns() - start
         return result

@@ -19,6 +19,7 @@ class SchedulerServiceConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    overlap_scheduling: bool = True  # plan step N+1 while step N runs
     hash_algo: str = "sha256"
     max_waiting: int = 4096  # queued requests beyond this get RESOURCE_EXHAUSTED
     max_n: int = 16
@@ -74,6 +75,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--watermark", type=float, default=d.watermark, help="Fraction of KV blocks kept free when admitting.")
     p.add_argument("--no-prefix-caching", action="store_true", default=False, help="Disable the prefix cache.")
     p.add_argument("--no-chunked-prefill", action="store_true", default=False, help="Never split a prompt across steps.")
+    p.add_argument("--no-overlap-scheduling", action="store_true", default=False,
+                   help="Plan each step only after the previous one's result (else the next plan is made and sent while a step runs).")
     p.add_argument("--hash-algo", default=d.hash_algo, choices=("sha256", "blake2b"), help="Prefix-cache block hash.")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="Queue limit; beyond it RESOURCE_EXHAUSTED.")
     p.add_argument("--max-n", type=int, default=d.max_n, help="Largest n (samples per request).")
@@ -106,6 +109,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             listen=a.listen, executor=a.executor, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, watermark=a.watermark,
             enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill,
+            overlap_scheduling=not a.no_overlap_scheduling,
             hash_algo=a.hash_algo, max_waiting=a.max_waiting, max_n=a.max_n, max_stop_strings=a.max_stop_strings,
             max_stop_string_bytes=a.max_stop_string_bytes, max_message_bytes=a.max_message_bytes,
             executor_recovery_timeout_s=a.executor_recovery_timeout, drain_timeout_s=a.drain_timeout,

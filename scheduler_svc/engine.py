@@ -13,6 +13,7 @@ timeout their requests fail with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
-from shared.step_plan import TokenLogprobs
+from shared.step_plan import StepPlan, StepResult, TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +131,7 @@ class Engine:
         self._samples: dict[str, _Sample] = {}
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
+        self._last_step_failed = False
         self._on_connection_change = []  # callbacks(connected: bool)
         self.metrics = SchedulerMetrics(self)
 
@@ -351,31 +353,61 @@ class Engine:
                 self.metrics.queue_time.observe(now - sample.handle.arrival)
 
     async def run(self) -> None:
-        """The step loop; runs until cancelled."""
+        """The step loop; runs until cancelled.
+
+        With overlap scheduling two plans are in flight: while the executor
+        runs step N, the next plan is already on the wire, so the executor
+        starts step N+1 as soon as N ends, and this loop applies N's result
+        (detokenizing, streaming) while N+1 runs.
+
+            executor:   | step N      | step N+1     | step N+2 ...
+            scheduler:   plan N+1 ^     ^ apply N, plan N+2
+        """
         sched = self.scheduler
+        depth = 2 if self.config.overlap_scheduling else 1
+        in_flight: collections.deque[StepPlan] = collections.deque()
         while True:
-            if not sched.has_unfinished_requests():
-                if await self._idle_until_work_or_loss():
-                    await self._recover("the executor connection dropped while idle")
-                continue
-            plan = sched.schedule()
-            if plan.num_requests == 0 and not plan.finished_request_ids:
+            if len(in_flight) < depth and sched.has_unfinished_requests():
+                plan = sched.schedule()
+                if plan.num_requests:
+                    self._observe_scheduled(plan)
+                    try:
+                        await self.client.send(plan)
+                    except ExecutorLost as e:
+                        in_flight.clear()
+                        await self._recover(str(e))
+                        continue
+                    in_flight.append(plan)
+                    continue
+            if not in_flight:
+                if not sched.has_unfinished_requests():
+                    if await self._idle_until_work_or_loss():
+                        await self._recover("the executor connection dropped while idle")
+                    continue
                 # Nothing fits right now (every waiting request needs more free
                 # blocks than exist); wait for a change instead of spinning.
                 self._wakeup.clear()
                 await asyncio.wait([asyncio.ensure_future(self._wakeup.wait())], timeout=0.05)
                 continue
-            self._observe_scheduled(plan)
+            plan = in_flight.popleft()
             try:
-                result = await self.client.step(plan)
+                await self._apply(plan, await self.client.receive(plan))
+                # A failed step makes the plans sent behind it stale (the executor
+                # refuses them): take their answers before planning again.
+                while in_flight and self._last_step_failed:
+                    plan = in_flight.popleft()
+                    await self._apply(plan, await self.client.receive(plan))
             except ExecutorLost as e:
+                in_flight.clear()
                 await self._recover(str(e))
-                continue
-            if result.error:
-                log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
-            self._deliver(sched.update_from_result(plan, result))
-            log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
-                      num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
+
+    async def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        self._last_step_failed = bool(result.error)
+        if result.error:
+            log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
+        self._deliver(self.scheduler.update_from_result(plan, result))
+        log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
+                  num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
 
     async def _idle_until_work_or_loss(self) -> bool:
         """Waits for a new request; True if the executor was lost meanwhile."""

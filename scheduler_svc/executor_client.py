@@ -103,11 +103,20 @@ class ExecutorClient:
             chat_template=t.chat_template, bos_token=t.bos_token, eos_token=t.eos_token, add_bos_token=t.add_bos_token,
         )
 
-    async def step(self, plan: StepPlan) -> StepResult:
+    async def send(self, plan: StepPlan) -> None:
+        """Sends a plan; its result comes from `receive`, results in plan order."""
         if self._call is None:
             raise ExecutorLost("not connected")
         try:
             await self._call.write(plan_to_proto(plan))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            raise ExecutorLost(f"step stream to {self._address} broke: {e}") from e
+
+    async def receive(self, plan: StepPlan) -> StepResult:
+        """The result of `plan`, the oldest plan sent and not yet answered."""
+        if self._call is None:
+            raise ExecutorLost("not connected")
+        try:
             msg = await self._call.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
             raise ExecutorLost(f"step stream to {self._address} broke: {e}") from e

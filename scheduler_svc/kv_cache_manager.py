@@ -14,6 +14,11 @@ step being planned: the executor writes the KV of the whole step before any
 attention runs, so another request admitted in the same step may already hit
 it. If that step never runs (its plan was undone, or it failed), the hashes
 registered for it must be dropped again (uncache_blocks_from / uncache).
+
+A block whose last token is a pending sample (overlap scheduling) cannot be
+hashed when its step is planned; it is registered when that sample arrives
+(cache_block_completed_by_last_token), while the step writing it may still run:
+any plan that could hit it runs after that step.
 """
 from __future__ import annotations
 
@@ -132,13 +137,16 @@ class KVCacheManager:
         block_ids = request.block_ids
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        assert num_total <= len(request.all_token_ids), (
-            f"request {request.request_id!r}: scheduling {num_total} tokens, only {request.num_tokens} known"
+        assert num_total <= request.num_planned_tokens, (
+            f"request {request.request_id!r}: scheduling {num_total} tokens, only {request.num_planned_tokens} "
+            "known or pending"
         )
+        # Blocks full of known tokens after this step; one ending in a pending sample waits for it.
+        num_full = min(num_total, request.num_tokens) // bs
         if not new_computed_blocks and num_total <= len(block_ids) * bs:
             # Fast path (most decode steps): the held blocks have room.
-            if self.enable_caching and num_total // bs > num_computed // bs:
-                self._cache_full_blocks(request, num_computed // bs, num_total // bs)
+            if self.enable_caching and num_full > num_computed // bs:
+                self._cache_full_blocks(request, num_computed // bs, num_full)
             return []
 
         pool = self.block_pool
@@ -162,9 +170,20 @@ class KVCacheManager:
         if num_new_blocks:
             new_ids += [b.block_id for b in pool.get_new_blocks(num_new_blocks)]
         block_ids += new_ids
-        if self.enable_caching and num_total // bs > num_computed // bs:
-            self._cache_full_blocks(request, num_computed // bs, num_total // bs)
+        if self.enable_caching and num_full > num_computed // bs:
+            self._cache_full_blocks(request, num_computed // bs, num_full)
         return new_ids
+
+    def cache_block_completed_by_last_token(self, request: Request) -> None:
+        """A sample just arrived; if it fills a block that a planned step computes, register that block.
+
+        Only overlap scheduling gets here: a step was planned over the
+        sample's position before its id was known, so allocation could not
+        hash the block then.
+        """
+        n = request.num_tokens
+        if self.enable_caching and n % self.block_size == 0 and request.num_computed_tokens >= n:
+            self._cache_full_blocks(request, n // self.block_size - 1, n // self.block_size)
 
     def _cache_full_blocks(self, request: Request, first: int, end: int) -> None:
         """Registers blocks [first, end) of the request, which are full after this step.

@@ -8,8 +8,18 @@ once its prefill is done.
                      \\______ computed ______/ \\__/   <- still to compute (KV not written)
     num_tokens = 9, num_prompt_tokens = 6, num_output_tokens = 3, num_computed_tokens = 8
 
-The scheduler mutates `num_computed_tokens`, `block_ids`, `status` and
-`num_preemptions` (and caps `max_tokens` when the context shrinks); the KV cache manager extends `block_hashes`; sampled tokens
+With overlap scheduling the next step is planned before the sample of the
+step in flight is known: that sample is pending, and the next step computes
+its KV without the scheduler knowing its id (the executor uses its own).
+Right after planning step N+1 while step N runs:
+
+    all_token_ids:  [ p0 p1 p2 p3 p4 p5 | o0 o1 ] [ ?1 ] [ ?2 ]   <- pending: sampled by steps N, N+1
+                     \\_____ computed or planned _____/
+    num_tokens = 8, num_pending_samples = 2, num_computed_tokens = 9 (step N+1 computes ?1)
+
+The scheduler mutates `num_computed_tokens`, `num_pending_samples`,
+`block_ids`, `status` and `num_preemptions` (and caps `max_tokens` when the
+context shrinks); the KV cache manager extends `block_hashes`; sampled tokens
 enter only through `append_output_token`, which is also the one place stop
 conditions are checked.
 """
@@ -58,7 +68,9 @@ class Request:
     # State below is owned by the request and mutated by the scheduler.
     output_token_ids: list[int] = field(init=False, default_factory=list)
     all_token_ids: list[int] = field(init=False)
-    num_computed_tokens: int = field(init=False, default=0)
+    num_computed_tokens: int = field(init=False, default=0)  # KV written or planned by a step in flight
+    # Samples that planned steps will produce and the scheduler has not received yet.
+    num_pending_samples: int = field(init=False, default=0)
     # Prefix-cache hit tokens at the first admission (reported to users); -1 until then.
     num_cached_tokens: int = field(init=False, default=-1)
     block_ids: list[int] = field(init=False, default_factory=list)  # the block table
@@ -85,6 +97,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Tokens known plus those pending: how far steps may be planned."""
+        return len(self.all_token_ids) + self.num_pending_samples
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,8 +13,12 @@ Each schedule(): running requests first, in admission order (preempting the
 lowest-priority, latest-arrived running request when a block is missing),
 then, if nobody was preempted, waiting requests by (priority, arrival).
 schedule() advances num_computed_tokens of the scheduled requests as if the
-step ran; update_from_result() appends the sampled tokens and finishes
-requests. Plans and results alternate: one result per plan, in order.
+step ran, and counts the samples the step will produce as pending;
+update_from_result() appends the sampled tokens and finishes requests. One
+result per plan, in plan order. With overlap scheduling the engine plans step
+N+1 while step N runs: a decode then computes the token step N samples
+(pending here, the executor's own sample there), and a request that finishes
+in step N wastes its slot in step N+1, whose output is dropped.
 
 The executor holds state for exactly the RUNNING requests (sent whole in
 new_requests when admitted, as deltas in cached_requests after). A running
@@ -60,6 +64,7 @@ class _Draft:
     budget: int  # tokens left this step
     cached: CachedRequestData = field(default_factory=CachedRequestData)  # running requests
     new_requests: list[NewRequestData] = field(default_factory=list)  # admitted this step
+    scheduled: list[Request] = field(default_factory=list)  # both of the above
 
     def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
         cached = self.cached
@@ -69,6 +74,7 @@ class _Draft:
         cached.num_scheduled_tokens.append(num_tokens)
         request.num_computed_tokens += num_tokens
         self.budget -= num_tokens
+        self.scheduled.append(request)
 
     def add_admitted(self, request: Request, num_tokens: int) -> None:
         self.new_requests.append(
@@ -84,6 +90,7 @@ class _Draft:
         )
         request.num_computed_tokens += num_tokens
         self.budget -= num_tokens
+        self.scheduled.append(request)
 
     def undo(self, request: Request) -> bool:
         """Takes a running request back out (it is being preempted); False if it was not in."""
@@ -96,7 +103,14 @@ class _Draft:
         del cached.num_scheduled_tokens[i]
         request.num_computed_tokens -= num_tokens
         self.budget += num_tokens
+        self.scheduled.remove(request)
         return True
+
+    def count_samples(self) -> None:
+        """The plan is final: a request whose tokens it computes to the end will get a sample."""
+        for request in self.scheduled:
+            if request.num_computed_tokens == request.num_planned_tokens:
+                request.num_pending_samples += 1
 
 
 class Scheduler:
@@ -110,6 +124,7 @@ class Scheduler:
         # step id -> (block id, hash) registered by that plan; dropped if the step fails
         self._cached_in_step: dict[int, list[tuple[int, bytes]]] = {}
         self._step_id = 0
+        self._last_result_step_id = 0  # the newest plan whose result was applied
         self._reset_step_id = 0  # results of plans up to this id predate an executor loss
         self.num_preemptions = 0
         self.num_steps = 0
@@ -177,13 +192,15 @@ class Scheduler:
         draft = _Draft(budget=self.config.max_num_batched_tokens)
         if not self._schedule_running(draft):
             self._schedule_waiting(draft)  # not after a preemption: memory is short
-        plan = StepPlan(step_id=self._step_id, new_requests=draft.new_requests, cached_requests=draft.cached)
-        # A plan that schedules nothing need not be sent; the ids wait for the next one.
+        draft.count_samples()
+        plan = StepPlan(step_id=self._step_id, new_requests=draft.new_requests, cached_requests=draft.cached,
+                        last_result_step_id=self._last_result_step_id)
+        # A plan that schedules nothing need not be sent; the ids and cache entries wait for the next one.
         if plan.num_requests:
             plan.finished_request_ids, self._finished_ids = self._finished_ids, []
-        newly_cached = self.kv_cache_manager.pop_newly_cached()
-        if newly_cached:
-            self._cached_in_step[plan.step_id] = newly_cached
+            newly_cached = self.kv_cache_manager.pop_newly_cached()
+            if newly_cached:
+                self._cached_in_step[plan.step_id] = newly_cached
         return plan
 
     def _schedule_running(self, draft: _Draft) -> bool:
@@ -198,14 +215,15 @@ class Scheduler:
         i = 0
         while i < len(running) and draft.budget > 0:
             request = running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            num_new = request.num_planned_tokens - request.num_computed_tokens
+            if request.num_output_tokens + request.num_pending_samples >= request.max_tokens:
+                i += 1  # its last sample is in flight: the request ends with it
+                continue
+            assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > draft.budget:
                 num_new = draft.budget
-            if num_new <= 0:  # still waiting for its last sample
-                i += 1
-                continue
             while (ids := kv.allocate_slots(request, num_new, is_admission=False)) is None:
                 victim = max(reversed(running), key=_victim_key)  # reversed: ties go to the latest admitted
                 victim_index = running.index(victim)
@@ -232,6 +250,9 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         while self.waiting and draft.budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
+            # Preempted while its sample was in flight: that result is applied
+            # before the next plan is made, and no plan admits after preempting.
+            assert not request.num_pending_samples, f"admitting {request.request_id!r} before its pending sample"
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if cfg.enable_chunked_prefill:
@@ -278,6 +299,7 @@ class Scheduler:
         newly_cached = self._cached_in_step.pop(plan.step_id, None)
         if plan.step_id <= self._reset_step_id:
             return []  # planned for an executor that is gone; its requests were requeued
+        self._last_result_step_id = plan.step_id
         self.num_steps += 1
         if result.error:
             return self._fail_step(plan, result, newly_cached)
@@ -289,13 +311,11 @@ class Scheduler:
         any_finished = False
         for request_id, token_id in result.sampled.items():
             request = requests.get(request_id)
-            # Skip requests aborted since the plan, and samples where none was due.
-            if (
-                request is None
-                or request.status != _RUNNING
-                or request.num_computed_tokens != len(request.all_token_ids)
-            ):
+            # Skip requests aborted since the plan (and samples where none was due).
+            if request is None or not request.num_pending_samples:
                 continue
+            request.num_pending_samples -= 1
+            was_running = request.status == _RUNNING  # else preempted while this sample was in flight
             finished = request.append_output_token(token_id)
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
             outputs.append(
@@ -309,11 +329,17 @@ class Scheduler:
                     request.num_cached_tokens,
                 )
             )
-            if finished:
+            if not finished:
+                if was_running:
+                    kv.cache_block_completed_by_last_token(request)
+                continue
+            del requests[request_id]
+            if was_running:
                 any_finished = True
                 kv.free(request)
-                del requests[request_id]
                 self._finished_ids.append(request_id)
+            else:  # the executor forgot it at its preemption
+                self.waiting.remove(request)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
@@ -321,16 +347,27 @@ class Scheduler:
     def _fail_step(
         self, plan: StepPlan, result: StepResult, newly_cached: list[tuple[int, bytes]] | None
     ) -> list[RequestOutput]:
-        """The step failed and the executor dropped every request in it.
+        """The step failed (or was refused as stale) and the executor dropped every request in it.
 
         Requests in failed_request_ids finish aborted with the error; the rest
         of the plan's requests go back to the front of the queue and are
-        recomputed. Prefixes this step cached were never written: uncache them.
+        recomputed. Prefixes this step cached were never written: uncache them,
+        and so every block of its requests from where the step started (a plan
+        in flight behind this one may have cached more of them). Samples they
+        had pending will never come.
         """
         kv = self.kv_cache_manager
         if newly_cached:
             kv.uncache(newly_cached)
-        in_plan = [r.request_id for r in plan.new_requests] + plan.cached_requests.request_ids
+        starts = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
+        starts.update(zip(plan.cached_requests.request_ids, plan.cached_requests.num_computed_tokens))
+        in_plan = list(starts)
+        for request_id in in_plan:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_pending_samples = 0
+                if request.status == _RUNNING:
+                    kv.uncache_blocks_from(request, starts[request_id])
         failed = set(result.failed_request_ids)
         # Requests aborted while the step ran are gone from the executor already.
         in_plan_set = set(in_plan)
@@ -397,6 +434,8 @@ class Scheduler:
         for request in reversed(self.running):
             self._requeue(request, RequestStatus.WAITING)
         self.running = []
+        for request in self.requests.values():
+            request.num_pending_samples = 0  # the plans that would have sampled them are void
         self.kv_cache_manager.reset_prefix_cache()
         self._finished_ids.clear()
         self._cached_in_step.clear()

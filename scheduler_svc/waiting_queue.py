@@ -40,7 +40,7 @@ class WaitingQueue:
         return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
-        """O(n); only aborts of waiting requests use it."""
+        """O(n); for aborts, and for preempted requests that their last in-flight sample finished."""
         index = next(i for i, entry in enumerate(self._heap) if entry[-1] is request)
         self._heap[index] = self._heap[-1]
         self._heap.pop()

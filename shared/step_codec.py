@@ -75,6 +75,7 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
             num_scheduled_tokens=cached.num_scheduled_tokens,
         ),
         finished_request_ids=plan.finished_request_ids,
+        last_result_step_id=plan.last_result_step_id,
     )
 
 
@@ -101,6 +102,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
             num_scheduled_tokens=list(cached.num_scheduled_tokens),
         ),
         finished_request_ids=list(msg.finished_request_ids),
+        last_result_step_id=msg.last_result_step_id,
     )
 
 

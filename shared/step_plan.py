@@ -52,6 +52,10 @@ class StepPlan:
     cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
     # Forget these before running the step (finished, aborted or preempted).
     finished_request_ids: list[str] = field(default_factory=list)
+    # The newest step whose result the scheduler had applied when it made this
+    # plan. With overlap scheduling a plan leaves before the result of the step
+    # ahead of it; if that step failed, the executor refuses this plan as stale.
+    last_result_step_id: int = 0
 
     @property
     def num_requests(self) -> int:

@@ -24,7 +24,7 @@ Use:
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import hash_block_tokens
@@ -86,6 +86,8 @@ class FakeExecutor:
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, _ExecRequest] = {}
         self.last_step_id = 0
+        self.last_failed_step_id = 0
+        self.num_stale_plans = 0
         self.num_steps = 0
         self._fail_next: tuple[str, list[str] | None] | None = None
         self._written: dict[int, str] = {}  # block id -> request writing it in the current step
@@ -117,6 +119,14 @@ class FakeExecutor:
         assert plan.step_id > self.last_step_id, f"step id {plan.step_id} after {self.last_step_id}"
         self.last_step_id = plan.step_id
         self.num_steps += 1
+        if plan.last_result_step_id < self.last_failed_step_id:
+            # Made before the scheduler saw the failure: refused, like the real executor.
+            self.num_stale_plans += 1
+            for rid in plan.finished_request_ids + [r.request_id for r in plan.new_requests]:
+                self.requests.pop(rid, None)
+            for rid in plan.cached_requests.request_ids:
+                self.requests.pop(rid, None)
+            return StepResult(step_id=plan.step_id, error="stale plan")
         for rid in plan.finished_request_ids:
             assert rid in self.requests, f"told to forget request {rid!r}, which it does not hold"
             del self.requests[rid]
@@ -151,6 +161,7 @@ class FakeExecutor:
         if self._fail_next is not None:
             error, failed_ids = self._fail_next
             self._fail_next = None
+            self.last_failed_step_id = plan.step_id
             for rid, req, n in batch:
                 for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
                     self.kv[self._slot(req, pos)] = GARBAGE
@@ -230,16 +241,60 @@ class FakeExecutor:
                 )
 
 
-def run_steps(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000) -> dict[str, list[int]]:
-    """Steps until no request is live; returns the tokens each request produced."""
+def run_steps(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000, *,
+              overlap: bool = False) -> dict[str, list[int]]:
+    """Steps until no request is live; returns the tokens each request produced.
+
+    overlap: like the engine's overlap scheduling, the next plan is made (and
+    executed here) before the previous plan's result is applied.
+    """
     tokens: dict[str, list[int]] = {}
+    pipeline = Pipeline(scheduler, executor, depth=2 if overlap else 1)
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and not pipeline.in_flight:
             return tokens
-        plan = scheduler.schedule()
-        for out in scheduler.update_from_result(plan, executor.execute(plan)):
+        for out in pipeline.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError(f"requests still live after {max_steps} steps")
+
+
+class Pipeline:
+    """The engine's step loop over a FakeExecutor, without the asyncio: up to
+    `depth` plans in flight (the fake runs a plan when it is sent; its result
+    is applied later, in order), and after a failed step every plan in flight
+    is answered before the next is made."""
+
+    def __init__(self, scheduler: Scheduler, executor: FakeExecutor, depth: int) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.depth = depth
+        self.in_flight: deque[tuple[StepPlan, StepResult]] = deque()
+
+    def send(self, plan: StepPlan) -> None:
+        self.in_flight.append((plan, self.executor.execute(plan)))
+
+    def step(self, on_plan=None, apply=None):
+        """Makes and sends a plan if there is room and work, else applies the oldest result.
+
+        on_plan(plan) runs after the plan is made, before it is sent; apply(plan,
+        result) replaces update_from_result. Returns the outputs applied.
+        """
+        apply = apply or self.scheduler.update_from_result
+        if len(self.in_flight) < self.depth and self.scheduler.has_unfinished_requests():
+            plan = self.scheduler.schedule()
+            if on_plan is not None:
+                on_plan(plan)
+            if plan.num_requests:
+                self.send(plan)
+                if len(self.in_flight) < self.depth:
+                    return []
+        outputs = []
+        while self.in_flight:
+            plan, result = self.in_flight.popleft()
+            outputs += apply(plan, result)
+            if not result.error:
+                break
+        return outputs
 
 
 # -- audit -------------------------------------------------------------------
@@ -314,9 +369,10 @@ def audit(scheduler: Scheduler, executor: FakeExecutor | None = None, registry: 
         assert len(req.block_ids) == -(-req.num_computed_tokens // bs), (
             f"{req.request_id!r}: {len(req.block_ids)} blocks for {req.num_computed_tokens} computed tokens"
         )
-        assert req.num_computed_tokens <= req.num_tokens
+        assert req.num_computed_tokens <= req.num_planned_tokens
     for req in waiting:
         assert scheduler.requests.get(req.request_id) is req
+        assert req.status.name == "PREEMPTED" or not req.num_pending_samples, f"{req.request_id!r} waits for a sample"
         assert req.status.name in ("WAITING", "PREEMPTED"), f"{req.request_id!r} waits with {req.status.name}"
         assert not req.block_ids and req.num_computed_tokens == 0, f"waiting {req.request_id!r} holds KV state"
     if not scheduler.requests:

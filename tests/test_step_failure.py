@@ -7,6 +7,7 @@ step for one request, as the executor reports a kernel exception.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import grpc
 from fake_executor import FakeExecutor
@@ -37,6 +38,7 @@ class FakeClient:
         self.executor: FakeExecutor | None = None
         self.fail_request: str | None = None
         self.steps_seen_with_target = 0
+        self.results = collections.deque()
 
     async def connect(self, block_size, max_num_batched_tokens, max_num_seqs, timeout_s=5.0) -> ExecutorInfo:
         self.executor = FakeExecutor(block_size, 64, VOCAB, max_num_seqs=max_num_seqs,
@@ -48,14 +50,19 @@ class FakeClient:
             eos_token="", add_bos_token=False,
         )
 
-    async def step(self, plan):
+    async def send(self, plan):
         ids = {r.request_id for r in plan.new_requests} | set(plan.cached_requests.request_ids)
         if self.fail_request in ids:
             self.steps_seen_with_target += 1
             if self.steps_seen_with_target == 3:
                 self.executor.fail_next_step("RuntimeError: kernel exploded", [self.fail_request])
+        self.results.append(self.executor.execute(plan))
+
+    async def receive(self, plan):
         await asyncio.sleep(0.005)
-        return self.executor.execute(plan)
+        result = self.results.popleft()
+        assert result.step_id == plan.step_id
+        return result
 
     async def wait_lost(self):
         await asyncio.Event().wait()
