@@ -12,7 +12,10 @@ applying the result, streaming tokens to clients):
 
     overhead = 1 - sum(execute) / (t_last - t_first)
 
-over the steps after the first ten (start-up, warm-up and admission).
+over the steps after the first ten (start-up, warm-up and admission). With
+overlap scheduling (the default) the next plan is already waiting when a step
+ends, so what is left is the executor's own hop: writing a result, reading the
+next plan. `--overlap both` (the default) runs with it off, then on.
 """
 from __future__ import annotations
 
@@ -34,16 +37,10 @@ def step_lines(log_text: str) -> list[dict]:
     return [line for line in lines if line.get("event") == "step"]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--max-tokens", type=int, default=120, help="tokens each request decodes")
-    p.add_argument("--dtype", default="float32")
-    a = p.parse_args(argv)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
-    with Servers(executor_args=["--dtype", a.dtype], scheduler_args=["--log-level", "debug", "--log-json"]) as s, \
-            Client(s.public_addr) as c:
-        threads = [threading.Thread(target=c.complete, kwargs=dict(token_ids=prompt, max_tokens=a.max_tokens,
+def run_once(prompts: list[list[int]], max_tokens: int, dtype: str, overlap: bool) -> str:
+    scheduler_args = ["--log-level", "debug", "--log-json"] + ([] if overlap else ["--no-overlap-scheduling"])
+    with Servers(executor_args=["--dtype", dtype], scheduler_args=scheduler_args) as s, Client(s.public_addr) as c:
+        threads = [threading.Thread(target=c.complete, kwargs=dict(token_ids=prompt, max_tokens=max_tokens,
                                                                     ignore_eos=True, temperature=0.0))
                    for prompt in prompts]
         for t in threads:
@@ -58,9 +55,26 @@ def main(argv=None) -> None:
     wall = ends[-1] - ends[SKIP]
     busy = sum(execute[SKIP + 1:])
     gaps = [1e3 * (ends[i] - ends[i - 1] - execute[i]) for i in range(SKIP + 1, len(steps))]
-    print(f"{len(steps) - SKIP - 1} steps: wall {wall:.2f} s, executor busy {busy:.2f} s = {100 * busy / wall:.1f}%; "
-          f"overhead {100 * (1 - busy / wall):.1f}%; per step {1e3 * wall / len(gaps):.0f} ms wall, around the "
-          f"executor median {statistics.median(gaps):.1f} ms (min {min(gaps):.1f}, max {max(gaps):.1f})")
+    return (f"overlap {'on ' if overlap else 'off'}: {len(steps) - SKIP - 1} steps: wall {wall:.2f} s, executor busy "
+            f"{busy:.2f} s = {100 * busy / wall:.1f}%; overhead {100 * (1 - busy / wall):.1f}%; per step "
+            f"{1e3 * wall / len(gaps):.0f} ms wall, around the executor median {statistics.median(gaps):.1f} ms "
+            f"(min {min(gaps):.1f}, max {max(gaps):.1f})")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=120, help="tokens each request decodes")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
+                   help="overlap scheduling in the scheduler; both = alternate off and on each round")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each mode")
+    a = p.parse_args(argv)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
+    modes = {"on": [True], "off": [False], "both": [False, True]}[a.overlap]
+    for _ in range(a.rounds):
+        for overlap in modes:
+            print(run_once(prompts, a.max_tokens, a.dtype, overlap), flush=True)
 
 
 if __name__ == "__main__":

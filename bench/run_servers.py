@@ -30,6 +30,7 @@ class EngineFlags:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     prefix_caching: bool = True
+    overlap_scheduling: bool = True
 
     def executor_args(self) -> list[str]:
         args = ["--dtype", self.dtype, "--num-threads", str(self.num_threads)]
@@ -48,6 +49,8 @@ class EngineFlags:
                 args += [flag, str(value)]
         if not self.prefix_caching:
             args.append("--no-prefix-caching")
+        if not self.overlap_scheduling:
+            args.append("--no-overlap-scheduling")
         return args
 
     def as_dict(self) -> dict:

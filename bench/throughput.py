@@ -37,6 +37,8 @@ def add_args(p) -> None:
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: run it too")
     p.add_argument("--vllm-model", default=None,
                    help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)")
+    p.add_argument("--no-overlap-scheduling", action="store_true",
+                   help="start PagedServe's scheduler with --no-overlap-scheduling")
 
 
 def measure_pagedserve(target: str, requests, label: str) -> dict:
@@ -171,7 +173,8 @@ def main(args, argv: list[str]) -> dict:
         raise ValueError("--target serves one dtype; give a single --dtype (it only labels the results)")
     result = report.new_result(SUITE, argv)
     result["dtypes"] = [run_dtype(args, EngineFlags(dtype=dt, num_threads=args.num_threads,
-                                                    kv_cache_gib=args.kv_cache_gib))
+                                                    kv_cache_gib=args.kv_cache_gib,
+                                                    overlap_scheduling=not args.no_overlap_scheduling))
                         for dt in args.dtype.split(",")]
     table = [r for d in result["dtypes"] for r in table_rows(d)]
     print(report.format_table(["dtype", "system", "req/s", "out tok/s", "total tok/s", "PagedServe is"], table))
