@@ -123,7 +123,8 @@ class ExecutorClient:
         if msg is grpc.aio.EOF:
             raise ExecutorLost(f"executor at {self._address} closed the step stream")
         result = result_from_proto(msg)
-        assert result.step_id == plan.step_id, f"executor answered step {result.step_id} to plan {plan.step_id}"
+        if result.step_id != plan.step_id:  # a desync: start over as after a loss
+            raise ExecutorLost(f"executor answered step {result.step_id} to plan {plan.step_id}")
         return result
 
     async def wait_lost(self) -> None:

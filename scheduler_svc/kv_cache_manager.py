@@ -17,8 +17,9 @@ registered for it must be dropped again (uncache_blocks_from / uncache).
 
 A block whose last token is a pending sample (overlap scheduling) cannot be
 hashed when its step is planned; it is registered when that sample arrives
-(cache_block_completed_by_last_token), while the step writing it may still run:
-any plan that could hit it runs after that step.
+(cache_block_completed_by_last_token), while the step writing it may still
+run. Any plan that could hit it runs after that step, and the entry is filed
+under that step, so its failure drops it like the step's own.
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ class KVCacheManager:
         if not new_computed_blocks and num_total <= len(block_ids) * bs:
             # Fast path (most decode steps): the held blocks have room.
             if self.enable_caching and num_full > num_computed // bs:
-                self._cache_full_blocks(request, num_computed // bs, num_full)
+                self._newly_cached += self._cache_full_blocks(request, num_computed // bs, num_full)
             return []
 
         pool = self.block_pool
@@ -171,32 +172,36 @@ class KVCacheManager:
             new_ids += [b.block_id for b in pool.get_new_blocks(num_new_blocks)]
         block_ids += new_ids
         if self.enable_caching and num_full > num_computed // bs:
-            self._cache_full_blocks(request, num_computed // bs, num_full)
+            self._newly_cached += self._cache_full_blocks(request, num_computed // bs, num_full)
         return new_ids
 
-    def cache_block_completed_by_last_token(self, request: Request) -> None:
+    def cache_block_completed_by_last_token(self, request: Request) -> list[tuple[int, bytes]]:
         """A sample just arrived; if it fills a block that a planned step computes, register that block.
 
         Only overlap scheduling gets here: a step was planned over the
         sample's position before its id was known, so allocation could not
-        hash the block then.
+        hash the block then. Returns the (block id, hash) registered, which
+        the caller files under the step in flight that writes the block.
         """
         n = request.num_tokens
         if self.enable_caching and n % self.block_size == 0 and request.num_computed_tokens >= n:
-            self._cache_full_blocks(request, n // self.block_size - 1, n // self.block_size)
+            return self._cache_full_blocks(request, n // self.block_size - 1, n // self.block_size)
+        return []
 
-    def _cache_full_blocks(self, request: Request, first: int, end: int) -> None:
+    def _cache_full_blocks(self, request: Request, first: int, end: int) -> list[tuple[int, bytes]]:
         """Registers blocks [first, end) of the request, which are full after this step.
 
         Blocks before `first` were full when earlier steps were planned (or
-        are prefix hits) and went through here then.
+        are prefix hits) and went through here then. Returns what it registered.
         """
         self._hash_blocks_up_to(request, end)
         pool = self.block_pool
+        registered = []
         for i in range(first, end):
             block = pool.blocks[request.block_ids[i]]
             if pool.cache_full_block(block, request.block_hashes[i]):
-                self._newly_cached.append((block.block_id, block.block_hash))
+                registered.append((block.block_id, block.block_hash))
+        return registered
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, so its tail is evicted before its head."""

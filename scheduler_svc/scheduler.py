@@ -121,8 +121,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.waiting = WaitingQueue()
         self._finished_ids: list[str] = []  # for the next non-empty plan
-        # step id -> (block id, hash) registered by that plan; dropped if the step fails
+        # step id -> (block id, hash) whose KV that step writes; dropped if the step fails
         self._cached_in_step: dict[int, list[tuple[int, bytes]]] = {}
+        # step id -> the requests it scheduled, for plans whose results are not applied yet. Results
+        # are matched to these objects, not to ids: a client may reuse an id its aborted request left.
+        self._planned: dict[int, dict[str, Request]] = {}
         self._step_id = 0
         self._last_result_step_id = 0  # the newest plan whose result was applied
         self._reset_step_id = 0  # results of plans up to this id predate an executor loss
@@ -198,6 +201,7 @@ class Scheduler:
         # A plan that schedules nothing need not be sent; the ids and cache entries wait for the next one.
         if plan.num_requests:
             plan.finished_request_ids, self._finished_ids = self._finished_ids, []
+            self._planned[plan.step_id] = {r.request_id: r for r in draft.scheduled}
             newly_cached = self.kv_cache_manager.pop_newly_cached()
             if newly_cached:
                 self._cached_in_step[plan.step_id] = newly_cached
@@ -297,12 +301,13 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} given for plan {plan.step_id}")
         newly_cached = self._cached_in_step.pop(plan.step_id, None)
+        planned = self._planned.pop(plan.step_id, {})
         if plan.step_id <= self._reset_step_id:
             return []  # planned for an executor that is gone; its requests were requeued
         self._last_result_step_id = plan.step_id
         self.num_steps += 1
         if result.error:
-            return self._fail_step(plan, result, newly_cached)
+            return self._fail_step(plan, result, planned, newly_cached)
 
         kv = self.kv_cache_manager
         requests = self.requests
@@ -310,9 +315,9 @@ class Scheduler:
         outputs = []
         any_finished = False
         for request_id, token_id in result.sampled.items():
-            request = requests.get(request_id)
+            request = planned.get(request_id)
             # Skip requests aborted since the plan (and samples where none was due).
-            if request is None or not request.num_pending_samples:
+            if request is None or requests.get(request_id) is not request or not request.num_pending_samples:
                 continue
             request.num_pending_samples -= 1
             was_running = request.status == _RUNNING  # else preempted while this sample was in flight
@@ -330,8 +335,10 @@ class Scheduler:
                 )
             )
             if not finished:
-                if was_running:
-                    kv.cache_block_completed_by_last_token(request)
+                if was_running and (entries := kv.cache_block_completed_by_last_token(request)):
+                    # File them under the step in flight that writes the block's last slot.
+                    writer = next(step_id for step_id, reqs in self._planned.items() if reqs.get(request_id) is request)
+                    self._cached_in_step.setdefault(writer, []).extend(entries)
                 continue
             del requests[request_id]
             if was_running:
@@ -345,29 +352,30 @@ class Scheduler:
         return outputs
 
     def _fail_step(
-        self, plan: StepPlan, result: StepResult, newly_cached: list[tuple[int, bytes]] | None
+        self, plan: StepPlan, result: StepResult, planned: dict[str, Request],
+        newly_cached: list[tuple[int, bytes]] | None,
     ) -> list[RequestOutput]:
         """The step failed (or was refused as stale) and the executor dropped every request in it.
 
         Requests in failed_request_ids finish aborted with the error; the rest
         of the plan's requests go back to the front of the queue and are
-        recomputed. Prefixes this step cached were never written: uncache them,
-        and so every block of its requests from where the step started (a plan
-        in flight behind this one may have cached more of them). Samples they
-        had pending will never come.
+        recomputed. Prefixes this step was to write were never written: uncache
+        them. Samples its requests had pending will never come: any plan in
+        flight behind this one is refused as stale.
         """
         kv = self.kv_cache_manager
         if newly_cached:
             kv.uncache(newly_cached)
-        starts = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
-        starts.update(zip(plan.cached_requests.request_ids, plan.cached_requests.num_computed_tokens))
-        in_plan = list(starts)
-        for request_id in in_plan:
+        in_plan = [r.request_id for r in plan.new_requests] + plan.cached_requests.request_ids
+
+        def live(request_id: str) -> Request | None:
+            """The live request this step's id stands for; None if it ended (its id may be reused)."""
             request = self.requests.get(request_id)
-            if request is not None:
+            return request if request_id not in planned or planned[request_id] is request else None
+
+        for request_id in in_plan:
+            if (request := live(request_id)) is not None:
                 request.num_pending_samples = 0
-                if request.status == _RUNNING:
-                    kv.uncache_blocks_from(request, starts[request_id])
         failed = set(result.failed_request_ids)
         # Requests aborted while the step ran are gone from the executor already.
         in_plan_set = set(in_plan)
@@ -375,7 +383,7 @@ class Scheduler:
         outputs = []
         requeue = []
         for request_id in dict.fromkeys(in_plan + result.failed_request_ids):
-            request = self.requests.get(request_id)
+            request = live(request_id)
             if request is None or request.status != _RUNNING:
                 continue
             if request_id not in failed:
@@ -439,6 +447,7 @@ class Scheduler:
         self.kv_cache_manager.reset_prefix_cache()
         self._finished_ids.clear()
         self._cached_in_step.clear()
+        self._planned.clear()
         self._reset_step_id = self._step_id
 
 

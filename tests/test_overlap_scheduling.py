@@ -225,3 +225,53 @@ def test_failed_step_uncaches_a_block_its_pending_sample_completed():
     scheduler.add_request(request("b", req.all_token_ids[:4] + [9], max_tokens=2))
     run_steps(scheduler, executor, overlap=True)
     audit(scheduler, executor)
+
+
+def test_block_cached_for_a_request_aborted_before_its_writer_step_fails_is_uncached():
+    # The sample of step 1 fills block 0 and is applied while step 2 (writing that
+    # slot) runs; then the request is aborted (a stop string) and step 2 fails with
+    # no plan behind it. The entry was filed under step 2, so its failure drops it.
+    scheduler = make_scheduler(block_size=4)
+    a = request("a", [5, 6, 7], max_tokens=8)
+    scheduler.add_request(a)
+    executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
+    first = scheduler.schedule()
+    first_result = executor.execute(first)
+    second = scheduler.schedule()
+    executor.fail_next_step("boom")
+    second_result = executor.execute(second)
+    scheduler.update_from_result(first, first_result)
+    assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 1
+    scheduler.abort_request("a", RequestStatus.FINISHED_STOPPED)
+    assert not scheduler.has_unfinished_requests()
+    scheduler.update_from_result(second, second_result)
+    assert not scheduler.kv_cache_manager.block_pool.cached_blocks
+    scheduler.add_request(request("b", a.all_token_ids[:4] + [9], max_tokens=1))
+    run_steps(scheduler, executor, overlap=True)  # the fake checks every slot b reads
+
+
+def test_a_reused_request_id_never_gets_the_aborted_requests_sample():
+    scheduler = make_scheduler()
+    old = request("x", [5, 6, 7, 8, 9], max_tokens=8)
+    scheduler.add_request(old)
+    executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
+    first = scheduler.schedule()
+    first_result = executor.execute(first)
+    second = scheduler.schedule()  # old x decodes, planned while step 1 runs
+    second_result = executor.execute(second)
+    scheduler.update_from_result(first, first_result)
+    scheduler.abort_request("x")  # the client cancels; step 2 still runs it
+    new = request("x", [30, 31, 32], max_tokens=3)  # and reuses the id at once
+    scheduler.add_request(new)
+    third = scheduler.schedule()
+    assert third.finished_request_ids == ["x"] and [r.request_id for r in third.new_requests] == ["x"]
+    third_result = executor.execute(third)
+    assert scheduler.update_from_result(second, second_result) == [], "old x's sample belongs to nobody now"
+    (out,) = scheduler.update_from_result(third, third_result)
+    assert out.new_token_ids == [reference_next_token([30, 31, 32], VOCAB)]
+    run_steps(scheduler, executor, overlap=True)
+    expected = []
+    for _ in range(3):
+        expected.append(reference_next_token([30, 31, 32] + expected, VOCAB))
+    assert new.output_token_ids == expected
+    audit(scheduler, executor)

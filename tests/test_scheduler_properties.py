@@ -63,12 +63,14 @@ class SchedulerModel:
         self.requests: dict[str, Request] = {}
         self.ids = itertools.count()
 
-    def add(self, prompt, max_tokens, min_tokens=0, priority=0, honour_eos=False):
+    def add(self, prompt, max_tokens, min_tokens=0, priority=0, honour_eos=False, reuse_id=False):
+        """reuse_id: take the id of the latest finished request, as a client may (its steps may be in flight)."""
         max_model_len = self.scheduler.config.max_model_len
         prompt = prompt[: max_model_len - 1] or [3]
         max_tokens = min(max_tokens, max_model_len - len(prompt))
+        ended = [rid for rid, r in self.requests.items() if r.is_finished]
         request = Request(
-            f"r{next(self.ids)}",
+            ended[-1] if reuse_id and ended else f"r{next(self.ids)}",
             prompt,
             SamplingParams(),
             max_tokens=max_tokens,
@@ -194,9 +196,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_tokens=st.integers(0, 2),
         priority=st.integers(-1, 2),
         honour_eos=st.booleans(),
+        reuse_id=st.booleans(),
     )
-    def add(self, prefix, prefix_len, tail, max_tokens, min_tokens, priority, honour_eos):
-        self.model.add(prefix[:prefix_len] + tail, max_tokens, min_tokens, priority, honour_eos)
+    def add(self, prefix, prefix_len, tail, max_tokens, min_tokens, priority, honour_eos, reuse_id):
+        self.model.add(prefix[:prefix_len] + tail, max_tokens, min_tokens, priority, honour_eos, reuse_id)
 
     @rule(prefix=st.sampled_from(PREFIXES), count=st.integers(2, 4), priority=st.integers(0, 2))
     def burst(self, prefix, count, priority):
@@ -263,7 +266,8 @@ def test_random_soak_under_memory_pressure():
             if op < 0.25:
                 prefix = rng.choice(PREFIXES)[: rng.randint(0, 12)]
                 prompt = prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 16))]
-                model.add(prompt, rng.randint(1, 16), rng.randint(0, 2), rng.randint(-1, 2), rng.random() < 0.5)
+                model.add(prompt, rng.randint(1, 16), rng.randint(0, 2), rng.randint(-1, 2), rng.random() < 0.5,
+                          rng.random() < 0.3)
             elif op < 0.8:
                 model.step()
             elif op < 0.87:
