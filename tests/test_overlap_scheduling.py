@@ -35,6 +35,20 @@ def request(rid: str, prompt: list[int], max_tokens: int, honour_eos: bool = Fal
     return Request(rid, prompt, SamplingParams(), max_tokens=max_tokens, eos_token_ids=EOS, ignore_eos=not honour_eos)
 
 
+def two_steps_in_flight(scheduler: Scheduler, executor: FakeExecutor, fail_second: bool = False):
+    """Plans and runs step 1, then plans and runs step 2 before step 1's result is applied.
+
+    Returns ((plan, result) of step 1, (plan, result) of step 2); step 2 fails
+    (every request requeued) when asked.
+    """
+    first = scheduler.schedule()
+    first_result = executor.execute(first)
+    second = scheduler.schedule()
+    if fail_second:
+        executor.fail_next_step("boom", failed_request_ids=[])
+    return (first, first_result), (second, executor.execute(second))
+
+
 def random_requests(seed: int, count: int) -> list[Request]:
     rng = random.Random(seed)
     shared = [rng.randrange(3, VOCAB) for _ in range(12)]
@@ -100,10 +114,7 @@ def test_a_block_completed_by_a_pending_sample_is_cached_when_it_arrives():
     scheduler.add_request(req)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
     pool = scheduler.kv_cache_manager.block_pool
-    prefill = scheduler.schedule()
-    prefill_result = executor.execute(prefill)
-    decode = scheduler.schedule()  # computes position 3, whose token is still pending
-    executor.execute(decode)
+    (prefill, prefill_result), _ = two_steps_in_flight(scheduler, executor)  # step 2 computes position 3
     assert not pool.cached_blocks, "a block whose last token is unknown cannot be hashed yet"
     scheduler.update_from_result(prefill, prefill_result)
     assert len(pool.cached_blocks) == 1 and pool.blocks[req.block_ids[0]].block_hash == req.block_hashes[0]
@@ -211,11 +222,7 @@ def test_failed_step_uncaches_a_block_its_pending_sample_completed():
     req = request("a", [5, 6, 7], max_tokens=2)
     scheduler.add_request(req)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
-    first = scheduler.schedule()
-    first_result = executor.execute(first)
-    second = scheduler.schedule()
-    executor.fail_next_step("boom", failed_request_ids=[])
-    second_result = executor.execute(second)
+    (first, first_result), (second, second_result) = two_steps_in_flight(scheduler, executor, fail_second=True)
     assert scheduler.schedule().num_requests == 0, "max_tokens' two samples are in flight"
     scheduler.update_from_result(first, first_result)
     assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 1
@@ -235,11 +242,7 @@ def test_block_cached_for_a_request_aborted_before_its_writer_step_fails_is_unca
     a = request("a", [5, 6, 7], max_tokens=8)
     scheduler.add_request(a)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
-    first = scheduler.schedule()
-    first_result = executor.execute(first)
-    second = scheduler.schedule()
-    executor.fail_next_step("boom")
-    second_result = executor.execute(second)
+    (first, first_result), (second, second_result) = two_steps_in_flight(scheduler, executor, fail_second=True)
     scheduler.update_from_result(first, first_result)
     assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 1
     scheduler.abort_request("a", RequestStatus.FINISHED_STOPPED)
@@ -255,10 +258,7 @@ def test_a_reused_request_id_never_gets_the_aborted_requests_sample():
     old = request("x", [5, 6, 7, 8, 9], max_tokens=8)
     scheduler.add_request(old)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
-    first = scheduler.schedule()
-    first_result = executor.execute(first)
-    second = scheduler.schedule()  # old x decodes, planned while step 1 runs
-    second_result = executor.execute(second)
+    (first, first_result), (second, second_result) = two_steps_in_flight(scheduler, executor)  # old x decodes in 2
     scheduler.update_from_result(first, first_result)
     scheduler.abort_request("x")  # the client cancels; step 2 still runs it
     new = request("x", [30, 31, 32], max_tokens=3)  # and reuses the id at once
