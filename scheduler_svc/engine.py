@@ -391,17 +391,17 @@ class Engine:
                 continue
             plan = in_flight.popleft()
             try:
-                await self._apply(plan, await self.client.receive(plan))
+                self._apply(plan, await self.client.receive(plan))
                 # A failed step makes the plans sent behind it stale (the executor
                 # refuses them): take their answers before planning again.
                 while in_flight and self._last_step_failed:
                     plan = in_flight.popleft()
-                    await self._apply(plan, await self.client.receive(plan))
+                    self._apply(plan, await self.client.receive(plan))
             except ExecutorLost as e:
                 in_flight.clear()
                 await self._recover(str(e))
 
-    async def _apply(self, plan: StepPlan, result: StepResult) -> None:
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self._last_step_failed = bool(result.error)
         if result.error:
             log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
