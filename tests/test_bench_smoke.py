@@ -250,3 +250,11 @@ def test_omp_wait_child_times_steps_under_a_policy():
 
     ms = run_child("passive", "1,2", busy=True)
     assert set(ms) == {"1", "2"} and all(v > 0 for v in ms.values())
+
+
+def test_overlap_sim_drives_the_real_scheduler_against_the_stand_in_executor():
+    from bench.overlap_sim import run_once
+
+    for overlap in (False, True):
+        out = run_once(2.0, overlap, num_requests=4, max_tokens=16)
+        assert out["steps"] >= 4 and 0 < out["busy"] <= 1.0 and out["tokens_per_s"] > 0
