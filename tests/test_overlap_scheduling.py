@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from fake_executor import FakeExecutor, Pipeline, audit, reference_next_token, run_steps
 
@@ -215,42 +216,28 @@ def test_model_runner_refuses_a_plan_made_before_a_failure_and_forgets_its_reque
     assert not ok.error and ok.sampled == {"a": 5, "c": 5}
 
 
-def test_failed_step_uncaches_a_block_its_pending_sample_completed():
+@pytest.mark.parametrize("abort", [False, True], ids=["live", "aborted"])
+def test_failed_step_uncaches_a_block_its_pending_sample_completed(abort):
     # Step 2 computes the KV of position 3, whose token (step 1's sample) completes
-    # block 0; applying step 1's result caches that block, then step 2 fails.
+    # block 0; applying step 1's result caches that block while step 2 runs. Then
+    # step 2 fails with no plan behind it: both samples max_tokens allows are in
+    # flight, and the request may have been aborted meanwhile (a stop string).
     scheduler = make_scheduler(block_size=4)
     req = request("a", [5, 6, 7], max_tokens=2)
     scheduler.add_request(req)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
     (first, first_result), (second, second_result) = two_steps_in_flight(scheduler, executor, fail_second=True)
-    assert scheduler.schedule().num_requests == 0, "max_tokens' two samples are in flight"
+    assert scheduler.schedule().num_requests == 0
     scheduler.update_from_result(first, first_result)
     assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 1
+    if abort:
+        scheduler.abort_request("a", RequestStatus.FINISHED_STOPPED)
     scheduler.update_from_result(second, second_result)
     assert not scheduler.kv_cache_manager.block_pool.cached_blocks, "block 0 holds the failed step's garbage"
     # A request sharing those four tokens must compute them, not hit garbage (the fake checks every slot).
     scheduler.add_request(request("b", req.all_token_ids[:4] + [9], max_tokens=2))
     run_steps(scheduler, executor, overlap=True)
     audit(scheduler, executor)
-
-
-def test_block_cached_for_a_request_aborted_before_its_writer_step_fails_is_uncached():
-    # The sample of step 1 fills block 0 and is applied while step 2 (writing that
-    # slot) runs; then the request is aborted (a stop string) and step 2 fails with
-    # no plan behind it. The entry was filed under step 2, so its failure drops it.
-    scheduler = make_scheduler(block_size=4)
-    a = request("a", [5, 6, 7], max_tokens=8)
-    scheduler.add_request(a)
-    executor = FakeExecutor.for_scheduler(scheduler, VOCAB)
-    (first, first_result), (second, second_result) = two_steps_in_flight(scheduler, executor, fail_second=True)
-    scheduler.update_from_result(first, first_result)
-    assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 1
-    scheduler.abort_request("a", RequestStatus.FINISHED_STOPPED)
-    assert not scheduler.has_unfinished_requests()
-    scheduler.update_from_result(second, second_result)
-    assert not scheduler.kv_cache_manager.block_pool.cached_blocks
-    scheduler.add_request(request("b", a.all_token_ids[:4] + [9], max_tokens=1))
-    run_steps(scheduler, executor, overlap=True)  # the fake checks every slot b reads
 
 
 def test_a_reused_request_id_never_gets_the_aborted_requests_sample():
