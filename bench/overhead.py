@@ -37,6 +37,18 @@ def step_lines(log_text: str) -> list[dict]:
     return [line for line in lines if line.get("event") == "step"]
 
 
+def step_stats(steps: list[dict]) -> dict:
+    """Over the step lines after the first SKIP: how many, the wall time they span, the
+    executor's busy seconds, the gap around each step (ms), and the tokens they computed."""
+    if len(steps) <= SKIP + 1:
+        raise RuntimeError(f"only {len(steps)} steps logged; raise --max-tokens")
+    ends = [datetime.fromisoformat(x["timestamp"].replace("Z", "+00:00")).timestamp() for x in steps]
+    execute = [x["execute_ms"] / 1e3 for x in steps]
+    return dict(steps=len(steps) - SKIP - 1, wall=ends[-1] - ends[SKIP], busy=sum(execute[SKIP + 1:]),
+                gaps_ms=[1e3 * (ends[i] - ends[i - 1] - execute[i]) for i in range(SKIP + 1, len(steps))],
+                tokens=sum(x["num_tokens"] for x in steps[SKIP + 1:]))
+
+
 def run_once(prompts: list[list[int]], max_tokens: int, dtype: str, overlap: bool) -> str:
     scheduler_args = ["--log-level", "debug", "--log-json"] + ([] if overlap else ["--no-overlap-scheduling"])
     with Servers(executor_args=["--dtype", dtype], scheduler_args=scheduler_args) as s, Client(s.public_addr) as c:
@@ -47,15 +59,9 @@ def run_once(prompts: list[list[int]], max_tokens: int, dtype: str, overlap: boo
             t.start()
         for t in threads:
             t.join()
-        steps = step_lines(s.logs("scheduler"))
-    if len(steps) <= SKIP + 1:
-        raise RuntimeError(f"only {len(steps)} steps logged; raise --max-tokens")
-    ends = [datetime.fromisoformat(x["timestamp"].replace("Z", "+00:00")).timestamp() for x in steps]
-    execute = [x["execute_ms"] / 1e3 for x in steps]
-    wall = ends[-1] - ends[SKIP]
-    busy = sum(execute[SKIP + 1:])
-    gaps = [1e3 * (ends[i] - ends[i - 1] - execute[i]) for i in range(SKIP + 1, len(steps))]
-    return (f"overlap {'on ' if overlap else 'off'}: {len(steps) - SKIP - 1} steps: wall {wall:.2f} s, executor busy "
+        st = step_stats(step_lines(s.logs("scheduler")))
+    wall, busy, gaps = st["wall"], st["busy"], st["gaps_ms"]
+    return (f"overlap {'on ' if overlap else 'off'}: {st['steps']} steps: wall {wall:.2f} s, executor busy "
             f"{busy:.2f} s = {100 * busy / wall:.1f}%; overhead {100 * (1 - busy / wall):.1f}%; per step "
             f"{1e3 * wall / len(gaps):.0f} ms wall, around the executor median {statistics.median(gaps):.1f} ms "
             f"(min {min(gaps):.1f}, max {max(gaps):.1f})")

@@ -25,20 +25,12 @@ import sys
 import time
 from types import SimpleNamespace
 
-from bench.overhead import step_lines
+from bench.overhead import step_lines, step_stats
 from pagedserve_client import AsyncClient
 from tests.servers import Servers
 
 VOCAB = 200  # a word-level tokenizer: ids 1..199 are the words "w1".."w199"
-PROMPT_LEN, SKIP = 64, 10
-
-
-def word_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return tok.to_str()
+PROMPT_LEN = 64
 
 
 class StandInWorker:
@@ -53,7 +45,7 @@ class StandInWorker:
         return self.runner is not None
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int):
-        from fake_executor import FakeExecutor
+        from fake_executor import FakeExecutor, word_tokenizer_json
 
         num_blocks = 8192
         fake = FakeExecutor(block_size, num_blocks, VOCAB, verify_kv=False)
@@ -69,7 +61,7 @@ class StandInWorker:
         self.runner = SimpleNamespace(execute=execute)
         model = SimpleNamespace(model_name="stand-in", architecture="none", vocab_size=VOCAB, eos_token_ids=(),
                                 bos_token_id=None)
-        tokenizer = SimpleNamespace(tokenizer_json=word_tokenizer_json(), chat_template="", bos_token="",
+        tokenizer = SimpleNamespace(tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
                                     eos_token="", add_bos_token=False)
         return SimpleNamespace(model=model, tokenizer=tokenizer, max_model_len=4096, num_kv_blocks=num_blocks,
                                kv_cache_bytes=0, dtype_name="none", device="none", attention_backend="none")
@@ -110,15 +102,9 @@ def run_once(step_ms: float, overlap: bool, num_requests: int, max_tokens: int) 
 
     with servers as s:
         asyncio.run(submit_all(s.public_addr))
-        steps = step_lines(s.logs("scheduler"))
-    from datetime import datetime
-
-    ends = [datetime.fromisoformat(x["timestamp"].replace("Z", "+00:00")).timestamp() for x in steps]
-    wall = ends[-1] - ends[SKIP]
-    busy = sum(x["execute_ms"] for x in steps[SKIP + 1:]) / 1e3
-    tokens = sum(x["num_requests"] for x in steps[SKIP + 1:])  # decode steps: one token per request
-    return dict(steps=len(steps) - SKIP - 1, busy=busy / wall, ms_per_step=1e3 * wall / (len(steps) - SKIP - 1),
-                tokens_per_s=tokens / wall)
+        st = step_stats(step_lines(s.logs("scheduler")))
+    return dict(steps=st["steps"], busy=st["busy"] / st["wall"], ms_per_step=1e3 * st["wall"] / st["steps"],
+                tokens_per_s=st["tokens"] / st["wall"])
 
 
 def main(argv=None) -> None:

@@ -131,7 +131,6 @@ class Engine:
         self._samples: dict[str, _Sample] = {}
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
-        self._last_step_failed = False
         self._on_connection_change = []  # callbacks(connected: bool)
         self.metrics = SchedulerMetrics(self)
 
@@ -391,23 +390,24 @@ class Engine:
                 continue
             plan = in_flight.popleft()
             try:
-                self._apply(plan, await self.client.receive(plan))
+                failed = self._apply(plan, await self.client.receive(plan))
                 # A failed step makes the plans sent behind it stale (the executor
                 # refuses them): take their answers before planning again.
-                while in_flight and self._last_step_failed:
+                while in_flight and failed:
                     plan = in_flight.popleft()
-                    self._apply(plan, await self.client.receive(plan))
+                    failed = self._apply(plan, await self.client.receive(plan))
             except ExecutorLost as e:
                 in_flight.clear()
                 await self._recover(str(e))
 
-    def _apply(self, plan: StepPlan, result: StepResult) -> None:
-        self._last_step_failed = bool(result.error)
+    def _apply(self, plan: StepPlan, result: StepResult) -> bool:
+        """Applies a step's result and streams its outputs; True if the step failed."""
         if result.error:
             log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
         self._deliver(self.scheduler.update_from_result(plan, result))
         log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
                   num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
+        return bool(result.error)
 
     async def _idle_until_work_or_loss(self) -> bool:
         """Waits for a new request; True if the executor was lost meanwhile."""

@@ -45,6 +45,15 @@ def fingerprints(token_ids: list[int], start_fp: int = FP_SEED) -> list[int]:
     return out
 
 
+def word_tokenizer_json(vocab_size: int) -> str:
+    """A word-level tokenizer for the fake model's ids: "w1".."w{vocab_size - 1}", 0 = [UNK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
 def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
     """The token the fake executor samples after this sequence."""
     return fingerprints(token_ids)[-1] % vocab_size

@@ -10,8 +10,7 @@ import asyncio
 import collections
 
 import grpc
-from fake_executor import FakeExecutor
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fake_executor import FakeExecutor, word_tokenizer_json
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -22,13 +21,6 @@ from scheduler_svc.server import GenerationServicer
 from tests.servers import free_port
 
 VOCAB = 200
-
-
-def word_tokenizer_json() -> str:
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return tok.to_str()
 
 
 class FakeClient:
@@ -46,7 +38,7 @@ class FakeClient:
         return ExecutorInfo(
             model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None,
             max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="x", device="cpu",
-            attention_backend="fake", tokenizer_json=word_tokenizer_json(), chat_template="", bos_token="",
+            attention_backend="fake", tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
             eos_token="", add_bos_token=False,
         )
 
