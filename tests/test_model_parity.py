@@ -158,20 +158,55 @@ def test_smollm2_gguf_blocks_match_hf(smol):
         assert_top5_close(row, ref_first)
 
 
+# bf16 keeps 8 bits of mantissa: measured on the embedded model, teacher-forced
+# logprobs of float32's top 5 differ from float32's by up to 0.26 nats (Xeon,
+# torch's emulated bf16). Greedy tokens can then only be promised where
+# float32's own top-1 lead is larger than that error; at a nearer tie (one of
+# these prompts has a 0.096-nat lead at its second token) either pick is right,
+# and CPUs with native bf16 arithmetic round differently from emulated ones.
+BF16_LOGPROB_TOL = 0.5
+
+
+def teacher_forced_logits(model, sequence: list[int], num_positions: int) -> torch.Tensor:
+    """float32 logits [num_positions, vocab] predicting each of the last
+    num_positions tokens of `sequence`, computed one position per step."""
+    engine = PagedEngine(model, num_blocks=32, block_size=16)
+    seq = engine.add(sequence)
+    prefix = len(sequence) - num_positions
+    rows = [engine.step([(seq, prefix)])[0]]
+    rows += [engine.step([(seq, 1)])[0] for _ in range(num_positions - 1)]
+    return torch.stack(rows).float()
+
+
 @pytest.mark.slow
-def test_smollm2_bfloat16_runs_and_starts_like_float32(smol):
+def test_smollm2_bfloat16_agrees_with_float32_up_to_rounding(smol):
+    """bf16 runs, and along float32's own greedy path its next-token logprobs stay
+    within bf16 rounding of float32's; its pick differs only at a near tie."""
     ours, _, prompts, _ = smol
     num_new = 8
-    outs = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = same_weights(ours, make_backend("torch"), dtype)
-        assert model.embed_tokens.dtype == dtype
-        engine = PagedEngine(model, num_blocks=32, block_size=16)
-        outs[dtype], first = greedy_batched(engine, prompts, num_new)
-        assert first.dtype == torch.float32 and torch.isfinite(first).all()
-    # bf16 rounding may flip a near-tie later on; the first tokens must agree.
-    for f32, bf16 in zip(outs[torch.float32], outs[torch.bfloat16]):
-        assert bf16[:3] == f32[:3], f"bf16 {bf16} vs float32 {f32}"
+    f32_model = same_weights(ours, make_backend("torch"), torch.float32)
+    bf16_model = same_weights(ours, make_backend("torch"), torch.bfloat16)
+    assert bf16_model.embed_tokens.dtype == torch.bfloat16
+    f32_outs, _ = greedy_batched(PagedEngine(f32_model, num_blocks=32, block_size=16), prompts, num_new)
+    bf16_outs, bf16_first = greedy_batched(PagedEngine(bf16_model, num_blocks=32, block_size=16), prompts, num_new)
+    assert bf16_first.dtype == torch.float32 and torch.isfinite(bf16_first).all()
+    assert all(len(out) == num_new for out in bf16_outs)
+
+    for prompt, f32_out in zip(prompts, f32_outs):
+        path = prompt + f32_out
+        ref = torch.log_softmax(teacher_forced_logits(f32_model, path, num_new), -1)
+        got = torch.log_softmax(teacher_forced_logits(bf16_model, path, num_new), -1)
+        for pos, (ref_row, got_row) in enumerate(zip(ref, got)):
+            top5 = ref_row.topk(5).indices
+            err = (ref_row[top5] - got_row[top5]).abs().max().item()
+            assert err < BF16_LOGPROB_TOL, f"position {pos}: bf16 top-5 logprob error {err:.3f}"
+            ours_pick, ref_pick = int(got_row.argmax()), int(ref_row.argmax())
+            assert ref_pick == f32_out[pos]
+            lead = (ref_row[ref_pick] - ref_row[ours_pick]).item()
+            assert lead < BF16_LOGPROB_TOL, (
+                f"position {pos}: bf16 picks {ours_pick}, {lead:.3f} nats behind float32's {ref_pick}: "
+                "more than bf16 rounding explains"
+            )
 
 
 # --- tiny random models of each architecture -----------------------------------
