@@ -24,7 +24,7 @@ class ExecutorConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves KV bytes for float32 models
     gpu_memory_utilization: float = 0.9  # fraction of the card for weights+activations+KV
     attention_backend: str = "auto"  # auto: triton on cuda, cpu (native decode kernel) on cpu
-    cpu_gemm: str = "auto"  # auto: the native packed GEMM for float32 on AVX-512 CPUs, else torch's
+    cpu_gemm: str = "auto"  # auto: the native packed GEMM on AVX-512 CPUs (+ oneDNN bf16 where native bf16), else torch's
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     # How idle OpenMP threads wait between parallel regions: default = the
@@ -88,8 +88,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                    help="cpu: native decode kernel + torch prefills; torch: plain PyTorch; triton: CUDA kernels.")
     p.add_argument("--cpu-gemm", default=d.cpu_gemm, choices=CPU_GEMMS,
                    help="Linear layers on CPU: native = weights packed once for the AVX-512 kernel "
-                        "(float32 only; 1.3-1.5x faster at decode batch sizes); torch = MKL via F.linear; "
-                        "auto = native where it can run.")
+                        "(float32 arithmetic, also over bfloat16 weights; 1.3-1.5x faster at decode batch sizes); "
+                        "torch = MKL via F.linear (torch's own bf16 for bfloat16); auto = native where it can run, "
+                        "plus oneDNN's bf16 GEMM from a start-up-measured row count on CPUs with native bf16.")
     p.add_argument("--gguf-blocks", default=d.gguf_blocks, choices=GGUF_BLOCKS,
                    help="With the native GEMM and a GGUF file: auto = batches of up to 32 rows read Q4_1/Q8_0 weights "
                         "in their blocks (5/8.5 bits per weight instead of 32; outputs identical to the float32 "

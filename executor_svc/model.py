@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import fused_ops
+from executor_svc import fused_ops, onednn_linear
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import BLOCK_K, PackedWeight, linear, pack, pack_bf16, pack_blocks
@@ -391,10 +391,13 @@ class LlamaForCausalLM(nn.Module):
         self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head))
 
     @torch.no_grad()
-    def widen_bf16(self) -> None:
+    def widen_bf16(self, onednn_min_rows: int | None = None) -> None:
         """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
-        weights, for CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
-        at a third of the float32 rate). After load_weights: every linear
+        weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
+        at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
+        win only once enough rows make them compute-bound (see
+        onednn_linear.py), while every other op has a native float32 kernel
+        and no bf16 one. After load_weights: every linear
         weight and the head are also packed into BF16 block panels, which the
         kernel widens to float32 exactly as it reads them (the bfloat16
         tensors stay, widened per call for MKL, which takes the larger row
@@ -404,6 +407,8 @@ class LlamaForCausalLM(nn.Module):
         a float32 model keeps beside its panels); only the arithmetic is
         float32. A weight whose input width is not a multiple of 32 (possible
         in a tensor-parallel shard) is widened to a float32 tensor instead.
+        With `onednn_min_rows` (CPUs with native bf16), each packed weight is
+        also kept in oneDNN's layout for that many rows and more.
         """
         assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.bfloat16, (
             f"widen_bf16 needs a bfloat16 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
@@ -414,7 +419,12 @@ class LlamaForCausalLM(nn.Module):
             if weight.shape[1] % BLOCK_K:
                 setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
                 return None
-            return PackedWeight(None, pack_bf16(weight))
+            return bf16_packed(weight)
+
+        def bf16_packed(weight: torch.Tensor) -> PackedWeight:
+            if onednn_min_rows is None:
+                return PackedWeight(None, pack_bf16(weight))
+            return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows)
 
         for layer in self.layers:
             layer.packed = {}
@@ -429,7 +439,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self._head_packed = packed(self, "lm_head")
         elif self.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
-            self._tied_head, self._head_packed = None, PackedWeight(None, pack_bf16(self.embed_tokens))
+            self._tied_head, self._head_packed = None, bf16_packed(self.embed_tokens)
         else:
             self._tied_head = self.embed_tokens.float().t().contiguous().t()
         self.rope_cos, self.rope_sin_signed = rope_cache(self.config, torch.float32, self.rope_cos.device)

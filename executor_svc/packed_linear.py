@@ -24,6 +24,8 @@ instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
 ~2.8x at 8-64, prefill 3.5x, docs/benchmarks.md). Past BF16_MAX_ROWS rows,
 where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
+On CPUs with native bf16 arithmetic the larger row counts go to oneDNN's
+bf16 GEMM instead (onednn_linear.py), from a crossover measured at start-up.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from executor_svc import onednn_linear
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "packed_gemm.c")
@@ -168,13 +171,19 @@ class PackedWeight:
 
     panels: torch.Tensor | None  # pack(weight); None with pack_bf16 blocks
     blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
+    # With bfloat16 blocks on CPUs with native bf16: the weight in oneDNN's
+    # layout (onednn_linear.py), which takes onednn_min_rows rows and more.
+    onednn: torch.Tensor | None = None
+    onednn_min_rows: int = 0
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
 
 
 def route(rows: int, packed: PackedWeight | None) -> str:
-    """Which GEMM multiplies `rows` rows: "blocks", "panels" or "torch" (MKL)."""
+    """Which GEMM multiplies `rows` rows: "blocks", "panels", "onednn" or "torch" (MKL)."""
+    if packed is not None and packed.onednn is not None and rows >= packed.onednn_min_rows:
+        return "onednn"
     if packed is not None and packed.panels is None:  # bfloat16 weights
         return "blocks" if rows <= BF16_MAX_ROWS else "torch"
     if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
@@ -192,6 +201,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     how = route(x.shape[0], packed)
     if how == "torch":
         return F.linear(x, weight.to(x.dtype), bias)
+    if how == "onednn":
+        return onednn_linear.linear(x, packed.onednn, bias)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"

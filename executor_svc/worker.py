@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import packed_linear
+from executor_svc import onednn_linear, packed_linear
 from executor_svc.attention import get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -71,16 +71,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
     for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
-    model.widen_bf16) where the CPU has no fast bf16 of its own for auto."""
+    model.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own)."""
     if name == "torch" or device.type != "cpu":
         return False
     # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
     built = packed_linear.kernel() is not None
     if name == "native" and not built:
         raise ValueError("--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; the kernel is unavailable")
-    if dtype == torch.bfloat16 and name == "auto":
-        return built and not cpu_has_fast_bf16()
     return built
+
+
+def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype) -> bool:
+    """Whether a widened bfloat16 model also sends its larger row counts to
+    oneDNN's bf16 GEMM: with --cpu-gemm auto on CPUs with native bf16 (elsewhere
+    oneDNN emulates bf16 and never beats the float32 kernel)."""
+    return (name == "auto" and packed_gemm and dtype == torch.bfloat16 and cpu_has_fast_bf16()
+            and onednn_linear.available())
 
 
 class Worker:
@@ -104,7 +110,8 @@ class Worker:
         self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype)
         loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
                             tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver,
-                            packed_gemm=self.packed_gemm, gguf_blocks=config.gguf_blocks == "auto")
+                            packed_gemm=self.packed_gemm, gguf_blocks=config.gguf_blocks == "auto",
+                            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype))
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc import packed_linear
+from executor_svc import onednn_linear, packed_linear
 from executor_svc.packed_linear import (
     BLOCK_FORMATS,
     BLOCKS_MAX_ROWS,
@@ -114,12 +114,15 @@ def test_cpu_gemm_setting_resolves(monkeypatch):
     assert use_packed_gemm("auto", cpu, torch.float32) and use_packed_gemm("native", cpu, torch.float32)
     assert not use_packed_gemm("torch", cpu, torch.float32)
     assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32)
-    # bfloat16: the kernel's float32 arithmetic where the CPU has no fast bf16
-    # of its own; where it has, auto leaves bf16 to torch and native still asks for the kernel.
-    for fast, auto in ((False, True), (True, False)):
+    # bfloat16: the kernel's float32 arithmetic on every CPU; where the CPU has
+    # bf16 of its own, auto also hands the larger row counts to oneDNN.
+    for fast in (False, True):
         monkeypatch.setattr(worker, "cpu_has_fast_bf16", lambda fast=fast: fast)
-        assert use_packed_gemm("auto", cpu, torch.bfloat16) is auto
+        assert use_packed_gemm("auto", cpu, torch.bfloat16)
         assert use_packed_gemm("native", cpu, torch.bfloat16) and not use_packed_gemm("torch", cpu, torch.bfloat16)
+        assert worker.use_bf16_onednn("auto", True, torch.bfloat16) is (fast and onednn_linear.available())
+        assert not worker.use_bf16_onednn("native", True, torch.bfloat16)
+        assert not worker.use_bf16_onednn("auto", True, torch.float32)
     monkeypatch.setattr(packed_linear, "kernel", lambda: None)
     assert not use_packed_gemm("auto", cpu, torch.float32)
     with pytest.raises(ValueError, match="--cpu-gemm native needs an x86 CPU with AVX-512"):

@@ -1,0 +1,85 @@
+"""bfloat16 linear layers through oneDNN, for the larger row counts on CPUs
+with native bf16 arithmetic (AVX512-BF16 or AMX).
+
+On such CPUs a bfloat16 model still runs in float32 arithmetic over its
+bfloat16 weights (model.widen_bf16: the native fused ops and attention
+kernels, and the packed kernel reading bfloat16 blocks, which is bound by the
+weight read at decode sizes). Past some number of rows the GEMM turns
+compute-bound, and there the CPU's bf16 FMA/AMX units beat float32 FMAs by
+about 2.4x (the issue-18 machine: 408 vs 172 GFLOP/s measured ceilings). So
+each weight is also reordered once, at load, into oneDNN's blocked layout
+(what vLLM's CPU back end does), and rows at or above a crossover go there:
+activations rounded to bfloat16, products summed in float32 by oneDNN, the
+result widened back to float32.
+
+The crossover depends on the CPU (AVX512-BF16 or AMX, cores, caches), so it
+is measured at start-up (`calibrate`) on random weights of the model's
+largest linear shape rather than written down here. Where oneDNN never wins
+(CPUs that emulate bf16) it is not used at all.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Row counts the calibration compares; decode batches and prefill chunks lie
+# between them. Rows below the first never go to oneDNN: there the weight read
+# bounds both, and the packed kernel reads the same bfloat16 bytes.
+CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def available() -> bool:
+    """oneDNN's packed linear is built into this torch and takes bfloat16."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 CPU [out, in] weight in oneDNN's blocked layout (an opaque
+    mkldnn tensor holding as many bytes as the weight)."""
+    assert weight.dtype == torch.bfloat16 and weight.device.type == "cpu", (
+        f"oneDNN packing takes bfloat16 CPU weights, got {weight.dtype} on {weight.device}"
+    )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 x [M, in] @ W.T (+ float32 bias) -> float32 [M, out], the
+    products in bfloat16 with float32 sums."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    if bias is not None:
+        out += bias
+    return out
+
+
+def calibrate(out_features: int, in_features: int, blocks_for, reps: int = 5) -> tuple[int | None, dict]:
+    """The smallest row count of CALIBRATION_ROWS from which oneDNN beats
+    `blocks_for(weight)(x)` (the packed kernel over bfloat16 blocks) at
+    every larger row count measured too, or None where it never does; and the
+    median times in microseconds, {rows: (blocks, onednn)}, for the log.
+
+    Both run on the same random weight, alternated, so a busy moment of a
+    shared machine hits both; medians of `reps` calls after one warm-up."""
+    weight = torch.randn(out_features, in_features, dtype=torch.float32).to(torch.bfloat16)
+    onednn_weight = pack(weight)
+    blocks_linear = blocks_for(weight)
+    times = {}
+    for rows in CALIBRATION_ROWS:
+        x = torch.randn(rows, in_features)
+        runs = {"blocks": [], "onednn": []}
+        for i in range(reps + 1):
+            for name, fn in (("blocks", lambda: blocks_linear(x)),
+                             ("onednn", lambda: linear(x, onednn_weight, None))):
+                start = time.perf_counter()
+                fn()
+                if i:  # the first call of each warms caches and oneDNN's primitive cache
+                    runs[name].append(time.perf_counter() - start)
+        times[rows] = tuple(round(sorted(runs[n])[reps // 2] * 1e6, 1) for n in ("blocks", "onednn"))
+    crossover = None
+    for rows in reversed(CALIBRATION_ROWS):
+        blocks_us, onednn_us = times[rows]
+        if onednn_us >= blocks_us:
+            break
+        crossover = rows
+    return crossover, times
