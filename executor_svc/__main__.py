@@ -17,7 +17,7 @@ log = structlog.get_logger("executor_svc")
 async def run(config) -> int:
     if config.tensor_parallel_size == 1:
         return await serve_worker(config, None)
-    from executor_svc.tensor_parallel import launch
+    from executor_svc.tp_launch import launch
     from executor_svc.worker import resolve_device
 
     # This process is rank 0: it starts the other ranks, and they end with it.
