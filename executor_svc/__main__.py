@@ -31,16 +31,17 @@ async def run(config) -> int:
 async def serve_worker(config, tp) -> int:
     from grpc_health.v1 import health_pb2
 
+    from executor_svc import weight_packing
     from executor_svc.metrics import ExecutorMetrics
     from executor_svc.server import SERVICE_NAME, serve
-    from shared.metrics_http import serve_metrics
     from executor_svc.worker import Worker
+    from shared.metrics_http import serve_metrics
 
     worker = Worker(config, tp)
     log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype),
              compute_dtype=str(worker.model.compute_dtype), kv_cache_dtype=str(worker.kv_dtype),
              device=worker.device.type, attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
-             block_weights_mib=round(worker.model.block_panel_bytes() / 2**20, 1),
+             block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
              tensor_parallel_size=config.tensor_parallel_size)
     metrics = ExecutorMetrics()
     if config.metrics_listen:

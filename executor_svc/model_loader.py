@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import weight_packing
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
@@ -63,14 +64,12 @@ def load_model(
     native kernel's packed form of the linear weights (packed_linear.py),
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
-    multiplies in float32 (model.widen_bf16). The caller checks that the
-    kernel is available and the model is on CPU."""
+    multiplies in float32 (weight_packing.py, the post-load hook). The caller
+    checks that the kernel is available and the model is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
-    if packed_gemm and dtype == torch.bfloat16:
-        model.widen_bf16()
-    elif packed_gemm:
-        model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
+    if packed_gemm:
+        weight_packing.apply(model, checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)
