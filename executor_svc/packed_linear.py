@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "packed_gemm.c")
-_i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @dataclass(frozen=True)
@@ -51,16 +50,10 @@ class _Kernel:
 @lru_cache(maxsize=1)
 def kernel() -> _Kernel | None:
     """The compiled kernel, or None where it cannot run (no compiler, no AVX-512)."""
-    lib = load_library(SOURCE)
+    lib = load_library(SOURCE)  # typed from native_signatures.py
     if lib is None or lib.packed_gemm_panel_width() == 0:
         return None
-    gemm = lib.packed_gemm
-    gemm.argtypes = [_p, _i64, _p, _i64, _p, _p, _i32, _i32, _i32, _i32]
-    gemm.restype = _i32
-    gemm_blocks = lib.packed_gemm_quant
-    gemm_blocks.argtypes = [_p, _i64, _p, _i64, _p, _i32, _p, _i32, _i32, _i32, _i32]
-    gemm_blocks.restype = _i32
-    return _Kernel(gemm, gemm_blocks, lib.packed_gemm_panel_width())
+    return _Kernel(lib.packed_gemm, lib.packed_gemm_quant, lib.packed_gemm_panel_width())
 
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
