@@ -12,6 +12,7 @@ memory corruption.
 Types: pointers of any kind cross as c_void_p (callers pass data_ptr() or None);
 int, int64_t, float and void map to their ctypes; `const` does not matter to ctypes.
 """
+
 from __future__ import annotations
 
 import ctypes

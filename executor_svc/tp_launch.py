@@ -7,6 +7,7 @@ exits unasked takes rank 0 down (`Followers`). A follower (`follow`) then
 does what rank 0 relays until rank 0 stops it. This module sits above the
 worker (a follower builds one); tensor_parallel.py, below it, does not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,18 @@ def launch(config: ExecutorConfig, device: torch.device) -> TPGroup:
     )
     procs = []
     for rank in range(1, size):
-        args = ["--rank", str(rank), "--world-size", str(size), "--store-port", str(store.port),
-                "--parent-pid", str(os.getpid()), "--config", json.dumps(dataclasses.asdict(follower_config))]
+        args = [
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(size),
+            "--store-port",
+            str(store.port),
+            "--parent-pid",
+            str(os.getpid()),
+            "--config",
+            json.dumps(dataclasses.asdict(follower_config)),
+        ]
         # stdout/stderr inherited: every rank logs to the executor's log.
         procs.append(subprocess.Popen([sys.executable, "-c", _FOLLOWER_MAIN, *args]))
         log.info("tensor_parallel_rank_started", rank=rank, pid=procs[-1].pid)

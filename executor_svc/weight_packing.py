@@ -13,6 +13,7 @@ kernel's copies (`DecoderLayer.packed` by weight name, the head's
 
 Either runs once, after load_weights and before the first forward.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -116,8 +117,9 @@ def block_panel_bytes(model: LlamaForCausalLM) -> int:
     return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
 
 
-def _block_panels(model: LlamaForCausalLM, blocks: BlockSource | None, names: list[str], split: int | None,
-                  weight: torch.Tensor):
+def _block_panels(
+    model: LlamaForCausalLM, blocks: BlockSource | None, names: list[str], split: int | None, weight: torch.Tensor
+):
     """This rank's share of the named weights' GGUF blocks, concatenated by
     rows and packed; None where any part is not in blocks (see above)."""
     if blocks is None:

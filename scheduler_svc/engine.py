@@ -96,7 +96,7 @@ class SampleOutput:
 
 @dataclass(eq=False)
 class _Sample:
-    handle: "RequestHandle"
+    handle: RequestHandle
     index: int
     request: Request
     detok: IncrementalDetokenizer

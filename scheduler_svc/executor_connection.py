@@ -8,6 +8,7 @@ Results come back in the order plans were sent; the engine may send the next
 plan before it receives the previous result (overlap scheduling), so at most
 two plans are in flight.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,9 @@ class ExecutorInfo:
 
 @runtime_checkable
 class ExecutorConnection(Protocol):
-    async def connect(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                      timeout_s: float = 5.0) -> ExecutorInfo:
+    async def connect(
+        self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 5.0
+    ) -> ExecutorInfo:
         """Handshakes (the executor sizes its KV cache for these limits) and opens
         the step stream, dropping any earlier one; raises ExecutorLost if
         unreachable, ExecutorRefused if refused."""

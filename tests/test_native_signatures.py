@@ -2,6 +2,7 @@
 Python side (executor_svc/native_signatures.py), from which the ctypes
 bindings are built; and PAGEDSERVE_NATIVE=require turning a failed build into
 an error. Parsing only, plus one tiny compile: no kernel runs here."""
+
 from __future__ import annotations
 
 import ctypes
@@ -15,8 +16,11 @@ from executor_svc import native_build
 from executor_svc.native_signatures import SIGNATURES, Signature, bind, parse
 
 PACKAGE = os.path.dirname(os.path.abspath(native_build.__file__))
-SOURCES = sorted(os.path.relpath(p, PACKAGE) for pattern in ("native/*.c", "attention/native/*.c")
-                 for p in glob.glob(os.path.join(PACKAGE, pattern)))
+SOURCES = sorted(
+    os.path.relpath(p, PACKAGE)
+    for pattern in ("native/*.c", "attention/native/*.c")
+    for p in glob.glob(os.path.join(PACKAGE, pattern))
+)
 
 # A definition at the start of a line that is not static (nor a typedef):
 # its return type, name and parameters, up to the opening brace.
@@ -59,8 +63,9 @@ def test_a_drifted_parameter_is_caught():
     with open(os.path.join(PACKAGE, "native/fused_ops.c")) as f:
         code = f.read()
     # A new argument in C only; two arguments swapped; a type narrowed; a function dropped from the table.
-    assert mismatches(code.replace("int rows, int cols, int num_threads)", "int rows, int cols, int k, int num_threads)"),
-                      declared)
+    assert mismatches(
+        code.replace("int rows, int cols, int num_threads)", "int rows, int cols, int k, int num_threads)"), declared
+    )
     assert mismatches(code.replace("int rows, int inter,", "int inter, int rows,"), declared)
     assert mismatches(code.replace("int64_t ld_x, int rows, int cols", "int ld_x, int rows, int cols"), declared)
     assert mismatches(code, declared[1:])

@@ -1,6 +1,7 @@
 """The seams between parts are typing.Protocols: every implementation, real or
 fake, takes the protocol's arguments under the protocol's names (extra ones
 only with defaults), and is async exactly where the protocol is."""
+
 from __future__ import annotations
 
 import inspect
@@ -35,10 +36,12 @@ def signature_mismatches(impl, protocol: type) -> list[str]:
         params = [p for p in inspect.signature(got).parameters.values() if p.name != "self"]
         if [p.name for p in params[: len(wanted)]] != [p.name for p in wanted]:
             problems.append(f"{name}{inspect.signature(got)} does not take {[p.name for p in wanted]}")
-        if any(p.default is inspect.Parameter.empty for p in params[len(wanted):]):
+        if any(p.default is inspect.Parameter.empty for p in params[len(wanted) :]):
             problems.append(f"{name}: extra arguments without defaults")
-        if any(w.default is not inspect.Parameter.empty and p.default is inspect.Parameter.empty
-               for w, p in zip(wanted, params)):
+        if any(
+            w.default is not inspect.Parameter.empty and p.default is inspect.Parameter.empty
+            for w, p in zip(wanted, params)
+        ):
             problems.append(f"{name}: an optional argument became required")
     return problems
 
@@ -64,8 +67,12 @@ def attention_backends():
     from executor_svc.attention.triton_backend import TritonAttentionBackend  # imports triton: only when run
 
     # The cpu backend's write_kv is its SDPA helper's, bound at construction: check an instance.
-    return [CpuAttentionBackend(kernel=None), TorchAttentionBackend(), TritonAttentionBackend(),
-            DenseAttentionBackend()]
+    return [
+        CpuAttentionBackend(kernel=None),
+        TorchAttentionBackend(),
+        TritonAttentionBackend(),
+        DenseAttentionBackend(),
+    ]
 
 
 def test_attention_backends_match_the_protocol():
