@@ -72,7 +72,7 @@ def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
     a collapse when another busy process takes one, since the spinning thread
     burns the time slice of the thread it waits for. `passive` sleeps at once.
     Measured on this project's 2-core machine (`python -m bench.omp_wait`,
-    docs/benchmarks.md): beside one busy process a 64-decode step took 507 ms
+    docs/optimization_log.md): beside one busy process a 64-decode step took 507 ms
     with the default and 307-318 passive; on free cores passive was slower
     (one decode 37-46 vs 30 ms) and so was the headline run (0.88x, 0.82x).
     """

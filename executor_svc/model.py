@@ -74,8 +74,8 @@ def _empty_linear(out_features: int, in_features: int, *, dtype: torch.dtype, de
     F.linear(x, w) multiplies x by w.t(), which is then a contiguous [in, out]
     matrix: MKL's float32 GEMM runs that layout 2-4x faster than the row-major
     one for 8-63 rows (small decode batches) and as fast for larger ones
-    (docs/benchmarks.md, "Column-major weights"). Loading is unchanged: copy_
-    into a view writes through any strides.
+    (docs/optimization_log.md, "Linear weights stored column-major"). Loading
+    is unchanged: copy_ into a view writes through any strides.
     """
     return nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device).t(), requires_grad=False)
 

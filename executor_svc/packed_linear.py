@@ -21,7 +21,7 @@ which the kernel widens to float32 (exactly: a bfloat16 is the top half of a
 float32). That is how `--dtype bfloat16` runs on CPUs without AVX512-BF16:
 bfloat16 weights at half the bytes, float32 arithmetic at the float32 rate,
 instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
-~2.8x at 8-64, prefill 3.5x, docs/benchmarks.md). Past BF16_MAX_ROWS rows,
+~2.8x at 8-64, prefill 3.5x, docs/optimization_log.md). Past BF16_MAX_ROWS rows,
 where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
 """
@@ -59,7 +59,7 @@ def kernel() -> _Kernel | None:
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
 # at 8-256 rows, the linears of 30 layers); at one row both read the weights at
 # full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
-# fast or faster (docs/benchmarks.md, optimization log).
+# fast or faster (docs/optimization_log.md).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 # Block panels read 3.8-6.4x fewer bytes but expand them on every call: they win
 # while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even
