@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc import fused_ops
+from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import PackedWeight, linear
@@ -193,7 +194,8 @@ LINEAR_PARTS = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         # This rank's share; with tp_size == 1, the whole model.
@@ -264,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        attn_backend,
+        attn_backend: AttentionBackend,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc import weight_packing
+from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
@@ -55,7 +56,7 @@ def open_checkpoint(path: str | None):
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
+    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend: AttentionBackend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
     gguf_blocks: bool = False,
 ) -> LoadedModel:
