@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTOS := protos/pagedserve/v1/generation.proto protos/pagedserve/executor/v1/executor.proto
 GENERATED := pagedserve/v1/generation_pb2.py pagedserve/executor/v1/executor_pb2.py
 
-.PHONY: install protos run test bench clean
+.PHONY: install protos run test lint bench clean
 
 install: $(STAMP) $(GENERATED)
 
@@ -33,6 +33,14 @@ run: install
 
 test: install
 	$(PY) -m pytest
+
+# Static checks (configured in pyproject.toml): lint rules, formatting, no
+# import cycles; then a report of files over 300/500 lines (never fails).
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) tools/import_cycles.py
+	$(PY) tools/file_sizes.py
 
 bench: install
 	$(PY) -m bench all

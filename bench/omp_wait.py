@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     if a.child:
         child(a.child, batch_sizes)
         return
-    print(f"| round | condition | policy | " + " | ".join(f"{b} decodes (ms)" for b in batch_sizes) + " |")
+    print("| round | condition | policy | " + " | ".join(f"{b} decodes (ms)" for b in batch_sizes) + " |")
     print("|---|---|---|" + "---:|" * len(batch_sizes))
     for r in range(1, a.rounds + 1):
         for busy in (False, True):

@@ -17,7 +17,7 @@ log = structlog.get_logger("executor_svc")
 async def run(config) -> int:
     if config.tensor_parallel_size == 1:
         return await serve_worker(config, None)
-    from executor_svc.tensor_parallel import launch
+    from executor_svc.tp_launch import launch
     from executor_svc.worker import resolve_device
 
     # This process is rank 0: it starts the other ranks, and they end with it.
@@ -31,16 +31,17 @@ async def run(config) -> int:
 async def serve_worker(config, tp) -> int:
     from grpc_health.v1 import health_pb2
 
+    from executor_svc import weight_packing
     from executor_svc.metrics import ExecutorMetrics
     from executor_svc.server import SERVICE_NAME, serve
-    from shared.metrics_http import serve_metrics
     from executor_svc.worker import Worker
+    from shared.metrics_http import serve_metrics
 
     worker = Worker(config, tp)
     log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype),
              compute_dtype=str(worker.model.compute_dtype), kv_cache_dtype=str(worker.kv_dtype),
              device=worker.device.type, attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
-             block_weights_mib=round(worker.model.block_panel_bytes() / 2**20, 1),
+             block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
              tensor_parallel_size=config.tensor_parallel_size)
     metrics = ExecutorMetrics()
     if config.metrics_listen:
@@ -71,7 +72,7 @@ def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
     a collapse when another busy process takes one, since the spinning thread
     burns the time slice of the thread it waits for. `passive` sleeps at once.
     Measured on this project's 2-core machine (`python -m bench.omp_wait`,
-    docs/benchmarks.md): beside one busy process a 64-decode step took 507 ms
+    docs/optimization_log.md): beside one busy process a 64-decode step took 507 ms
     with the default and 307-318 passive; on free cores passive was slower
     (one decode 37-46 vs 30 ms) and so was the headline run (0.88x, 0.82x).
     """

@@ -16,23 +16,12 @@ import torch
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "fused_ops.c")
-_i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
 @lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE)
-    if lib is None:
-        return None
-    lib.rms_norm_f32.argtypes = [_p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _f32, _i32]
-    lib.rope_f32.argtypes = [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32]
-    lib.silu_mul_f32.argtypes = [_p, _i64, _p, _i64, _i32, _i32, _i32]
-    lib.silu_mul_f32.restype = _i32
-    lib.argmax_rows_f32.argtypes = [_p, _p, _i64, _i32, _i32, _i32]
-    lib.argmax_rows_f32.restype = _i32
-    for fn in (lib.rms_norm_f32, lib.rope_f32):
-        fn.restype = None
-    return lib
+    """The library, its functions typed from native_signatures.py; None without a compiler."""
+    return load_library(SOURCE)
 
 
 def available(x: torch.Tensor) -> bool:

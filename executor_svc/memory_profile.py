@@ -24,15 +24,18 @@ import contextlib
 import dataclasses
 import gc
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from executor_svc.kv_cache import GIB, allocate_kv_caches
-from executor_svc.model_runner import ModelRunner, RequestState
-from executor_svc.sampler import build_sampling_metadata
-from executor_svc.tensor_parallel import TPGroup
+from executor_svc.model_runner import ModelRunner
 from shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from executor_svc.model import LlamaForCausalLM
+    from executor_svc.tensor_parallel import TPGroup
 
 log = structlog.get_logger(__name__)
 
@@ -71,49 +74,23 @@ def dummy_sampling_params(num_rows: int, vocab_size: int) -> list[SamplingParams
     return params
 
 
-@torch.inference_mode()
-def profile_run(model, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                max_model_len: int, tp: TPGroup | None = None) -> int:
-    """Runs the largest step on dummy requests over a temporary KV cache; returns that cache's bytes.
-
-    Calls the model and the sampler directly rather than ModelRunner.execute:
-    with tensor parallelism every rank must run the forward (its all-reduces
-    need all of them), only rank 0 samples, and nothing may enter execute's
-    token relay. A rank cannot tell how far the others got, so any failure
-    here ends the tensor-parallel job, as in a step.
-    """
+def profile_run(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int,
+                max_num_seqs: int, max_model_len: int, tp: TPGroup | None = None) -> int:
+    """Runs the largest step (ModelRunner.profile_run) on dummy requests over a
+    temporary KV cache; returns that cache's bytes. A rank cannot tell how far
+    the others got, so any failure here ends the tensor-parallel job, as in a step."""
     cfg, device = model.config, model.embed_tokens.device
     lengths = dummy_prompt_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
-    blocks = [-(-n // block_size) for n in lengths]
-    params = dummy_sampling_params(len(lengths), cfg.vocab_size)
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     with tp.fatal_on_error("the memory-profiling step") if tp else contextlib.nullcontext():
-        kv_caches = allocate_kv_caches(cfg, 1 + sum(blocks), block_size, kv_dtype, device, model.tp_size)
-        # The runner lays the dummy step out exactly as it would a real one.
-        runner = ModelRunner(model, kv_caches, block_size, cfg.vocab_size, device, model.attn_backend)
-        batch, next_block = [], 1
-        for i, (n, num_blocks) in enumerate(zip(lengths, blocks)):
-            token_ids = [t % cfg.vocab_size for t in range(n)]
-            block_ids = list(range(next_block, next_block + num_blocks))
-            batch.append((RequestState(f"profile-{i}", token_ids, n, params[i], block_ids, 0), n))
-            next_block += num_blocks
-        input_ids, positions, meta, cu = runner.prepare_inputs(batch)
-        model.attn_backend.prepare(meta)
-        hidden = model(input_ids, positions, kv_caches, meta)
-        if tp is None or tp.is_driver:
-            logits = model.compute_logits(hidden[torch.as_tensor(cu[1:] - 1, device=device)])
-            # Equal logits put top-p's nucleus beyond its candidate tokens (in
-            # any vocabulary above 4551), so every row takes the full-sort path.
-            logits.zero_()
-            md = build_sampling_metadata(params, [s.token_ids for s, _ in batch], [[] for _ in batch],
-                                         cfg.vocab_size, device)
-            runner.sampler(logits, md)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, kv_dtype, device, model.tp_size)
+        runner = ModelRunner(model, kv_caches, block_size, cfg.vocab_size, device, model.attn_backend, tp)
+        runner.profile_run(lengths, dummy_sampling_params(len(lengths), cfg.vocab_size))
     return sum(k.nbytes + v.nbytes for k, v in kv_caches)
 
 
-def cuda_kv_budget(model, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int,
-                   max_model_len: int, utilization: float, tp: TPGroup | None = None) -> int:
+def cuda_kv_budget(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int,
+                   max_num_seqs: int, max_model_len: int, utilization: float, tp: TPGroup | None = None) -> int:
     """This rank's KV budget on CUDA, measured around `profile_run`; <= 0 when nothing is left."""
     device = model.embed_tokens.device
     torch.cuda.synchronize(device)

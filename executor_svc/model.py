@@ -22,8 +22,12 @@ Numerics follow transformers' Llama so greedy outputs match it token for
 token: RMSNorm normalises in float32 and rounds before the weight multiply,
 rotary uses the "rotate_half" layout with cos/sin computed in float32, and
 logits are computed in the model dtype before the cast to float32. (A
-bfloat16 model widened for CPUs without bf16 arithmetic, `widen_bf16`,
+bfloat16 model widened for CPUs without bf16 arithmetic, `weight_packing.widen_bf16`,
 computes in float32 over its bfloat16 weights instead.)
+
+This file is the architecture only. The native CPU GEMM's packed copies of
+the weights are made after loading, by weight_packing.py, into the slots the
+model keeps for them (`DecoderLayer.packed`, `_head_packed`, `_tied_head`).
 
 Weights are loaded by `load_weights` from tensors under transformers' names
 ("model.layers.3.self_attn.q_proj.weight", ...); the GGUF loader renames to
@@ -45,17 +49,18 @@ vocab-parallel head would save memory for large vocabularies).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import fused_ops, onednn_linear
+from executor_svc import fused_ops
+from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import BLOCK_K, PackedWeight, linear, pack, pack_bf16, pack_blocks
+from executor_svc.packed_linear import PackedWeight, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,8 +75,8 @@ def _empty_linear(out_features: int, in_features: int, *, dtype: torch.dtype, de
     F.linear(x, w) multiplies x by w.t(), which is then a contiguous [in, out]
     matrix: MKL's float32 GEMM runs that layout 2-4x faster than the row-major
     one for 8-63 rows (small decode batches) and as fast for larger ones
-    (docs/benchmarks.md, "Column-major weights"). Loading is unchanged: copy_
-    into a view writes through any strides.
+    (docs/optimization_log.md, "Linear weights stored column-major"). Loading
+    is unchanged: copy_ into a view writes through any strides.
     """
     return nn.Parameter(torch.empty(in_features, out_features, dtype=dtype, device=device).t(), requires_grad=False)
 
@@ -189,7 +194,8 @@ LINEAR_PARTS = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attn_backend, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         # This rank's share; with tp_size == 1, the whole model.
@@ -212,7 +218,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = _empty_linear(2 * inter, hidden, dtype=dtype, device=device)
         self.down_weight = _empty_linear(hidden, inter, dtype=dtype, device=device)
         # Packed copies for the native CPU GEMM, by weight name ("qkv", "o",
-        # "gate_up", "down"); empty unless pack_linear_weights() ran.
+        # "gate_up", "down"); empty unless weight_packing.py filled them.
         self.packed: dict[str, PackedWeight] = {}
 
     def part_rows(self, name: str) -> list[int]:
@@ -260,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        attn_backend,
+        attn_backend: AttentionBackend,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -289,8 +295,8 @@ class LlamaForCausalLM(nn.Module):
         # for the head's faster GEMM: vocab x hidden more memory there. Not a
         # parameter: state dicts keep the checkpoint's tensors only.
         self._tied_head: torch.Tensor | None = None
-        self._head_packed: PackedWeight | None = None  # pack_linear_weights() or widen_bf16()
-        # The activations' dtype: the weights' own, except after widen_bf16().
+        self._head_packed: PackedWeight | None = None  # filled by weight_packing.py
+        # The activations' dtype: the weights' own, except after weight_packing.widen_bf16().
         self.compute_dtype = dtype
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -364,111 +370,3 @@ class LlamaForCausalLM(nn.Module):
             if layer.qkv_bias is not None:
                 for part, dst in zip(LINEAR_PARTS["qkv"][0], layer.qkv_bias.split(layer.part_rows("qkv"))):
                     fill(dst, f"{p}{part}.bias", split=0)
-
-    @torch.no_grad()
-    def pack_linear_weights(self, blocks: Callable[[str], tuple[str, torch.Tensor] | None] | None = None) -> None:
-        """Adds the native CPU GEMM's packed copy of every linear weight and of
-        the head (packed_linear.py), after load_weights, on float32 CPU models
-        where the kernel was built. It doubles the linear weights' memory
-        (plus the blocks, where kept: 5/32 or 8.5/32 of their float32 size).
-
-        `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
-        weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
-        kernel's small-batch path: a fused weight only if all its parts are
-        blocks of one kind, and a row-parallel shard only if it starts on a
-        block boundary."""
-        assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32, (
-            f"packing needs a float32 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
-        )
-        for i, layer in enumerate(self.layers):
-            layer.packed = {}
-            for name, (parts, split) in LINEAR_PARTS.items():
-                weight = getattr(layer, f"{name}_weight")
-                names = [f"model.layers.{i}.{part}.weight" for part in parts]
-                layer.packed[name] = PackedWeight(pack(weight), self._block_panels(blocks, names, split, weight))
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head))
-
-    @torch.no_grad()
-    def widen_bf16(self, onednn_min_rows: int | None = None) -> None:
-        """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
-        weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
-        at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
-        win only once enough rows make them compute-bound (see
-        onednn_linear.py), while every other op has a native float32 kernel
-        and no bf16 one. After load_weights: every linear
-        weight and the head are also packed into BF16 block panels, which the
-        kernel widens to float32 exactly as it reads them (the bfloat16
-        tensors stay, widened per call for MKL, which takes the larger row
-        counts); the norms, biases and rope tables become float32, as do the
-        activations from the embedding lookup on. So the weights keep their
-        bfloat16 values, in as many bytes as float32 weights alone (half what
-        a float32 model keeps beside its panels); only the arithmetic is
-        float32. A weight whose input width is not a multiple of 32 (possible
-        in a tensor-parallel shard) is widened to a float32 tensor instead.
-        With `onednn_min_rows` (CPUs with native bf16), each packed weight is
-        also kept in oneDNN's layout for that many rows and more.
-        """
-        assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.bfloat16, (
-            f"widen_bf16 needs a bfloat16 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
-        )
-
-        def packed(owner: nn.Module, attr: str) -> PackedWeight | None:
-            weight = getattr(owner, attr)
-            if weight.shape[1] % BLOCK_K:
-                setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
-                return None
-            return bf16_packed(weight)
-
-        def bf16_packed(weight: torch.Tensor) -> PackedWeight:
-            if onednn_min_rows is None:
-                return PackedWeight(None, pack_bf16(weight))
-            return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows)
-
-        for layer in self.layers:
-            layer.packed = {}
-            for name in LINEAR_PARTS:
-                p = packed(layer, f"{name}_weight")
-                if p is not None:
-                    layer.packed[name] = p
-            for attr in ("input_norm", "post_norm", "qkv_bias"):
-                if getattr(layer, attr) is not None:
-                    setattr(layer, attr, nn.Parameter(getattr(layer, attr).float(), requires_grad=False))
-        self.norm = nn.Parameter(self.norm.float(), requires_grad=False)
-        if self.lm_head is not None:
-            self._head_packed = packed(self, "lm_head")
-        elif self.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
-            self._tied_head, self._head_packed = None, bf16_packed(self.embed_tokens)
-        else:
-            self._tied_head = self.embed_tokens.float().t().contiguous().t()
-        self.rope_cos, self.rope_sin_signed = rope_cache(self.config, torch.float32, self.rope_cos.device)
-        self.compute_dtype = torch.float32
-
-    def block_panel_bytes(self) -> int:
-        """Bytes of weights kept in block panels for the packed GEMM: GGUF
-        blocks, or bfloat16 ones after widen_bf16 (0 without them)."""
-        packed = [p for layer in self.layers for p in layer.packed.values()] + [self._head_packed]
-        return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
-
-    def _block_panels(self, blocks, names: list[str], split: int | None, weight: torch.Tensor):
-        """This rank's share of the named weights' GGUF blocks, concatenated by
-        rows and packed; None where any part is not in blocks (see above)."""
-        if blocks is None:
-            return None
-        found = [blocks(name) for name in names]
-        if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
-            return None
-        shares = []
-        for _, rows in found:
-            if split is not None and self.tp_size > 1:
-                if rows.shape[split] % self.tp_size:
-                    return None  # a shard boundary inside a block
-                share = rows.shape[split] // self.tp_size
-                rows = rows.narrow(split, self.tp_rank * share, share)
-            shares.append(rows)
-        rows = torch.cat(shares)
-        assert (rows.shape[0], rows.shape[1] * BLOCK_K) == tuple(weight.shape), (
-            f"{names}: blocks {tuple(rows.shape)} do not hold a {tuple(weight.shape)} weight"
-        )
-        return pack_blocks(found[0][0], rows)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import onednn_linear
+from executor_svc import onednn_linear, weight_packing
+from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
@@ -75,7 +76,7 @@ def onednn_crossover(config, tp_size: int) -> int | None:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
+    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend: AttentionBackend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
     gguf_blocks: bool = False, bf16_onednn: bool = False,
 ) -> LoadedModel:
@@ -84,15 +85,15 @@ def load_model(
     native kernel's packed form of the linear weights (packed_linear.py),
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
-    multiplies in float32 (model.widen_bf16), and with `bf16_onednn` (CPUs
-    with native bf16) oneDNN's bf16 GEMM from a row count calibrated here.
-    The caller checks that the kernel is available and the model is on CPU."""
+    multiplies in float32 (weight_packing.py, the post-load hook), and with
+    `bf16_onednn` (CPUs with native bf16) also hands the larger row counts to
+    oneDNN's bf16 GEMM from a row count calibrated here. The caller checks
+    that the kernel is available and the model is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
-    if packed_gemm and dtype == torch.bfloat16:
-        model.widen_bf16(onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None)
-    elif packed_gemm:
-        model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
+    if packed_gemm:
+        weight_packing.apply(model, checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
+                             onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

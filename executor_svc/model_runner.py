@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -32,9 +33,13 @@ import torch
 
 from executor_svc.attention import AttentionMetadata
 from executor_svc.sampler import Sampler, build_sampling_metadata
-from executor_svc.tensor_parallel import TPGroup
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from executor_svc.attention.backend import AttentionBackend
+    from executor_svc.model import KVCache, LlamaForCausalLM
+    from executor_svc.tensor_parallel import TPGroup
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +63,8 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, attn_backend,
-                 tp: TPGroup | None = None):
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, vocab_size: int,
+                 device: torch.device, attn_backend: AttentionBackend, tp: TPGroup | None = None):
         self.model = model
         self.tp = tp
         self.kv_caches = kv_caches
@@ -232,3 +237,38 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[state.request_id] = lp
         return result
+
+    @torch.inference_mode()
+    def profile_run(self, prompt_lengths: list[int], params: list[SamplingParams]) -> None:
+        """Runs one step of dummy prefills, one per length, each sampling one row
+        with its `params`, over blocks 1.. of this runner's KV cache (which must
+        hold them all): the largest step memory profiling measures
+        (memory_profile.py). Leaves no request state behind.
+
+        Not through `execute`: with tensor parallelism every rank runs the
+        forward (its all-reduces need all of them), only rank 0 samples, and
+        nothing may enter execute's plan and token relays. The caller makes
+        any failure here end the tensor-parallel job, as in a step.
+        """
+        batch, next_block = [], 1
+        for i, (n, sampling) in enumerate(zip(prompt_lengths, params, strict=True)):
+            num_blocks = -(-n // self.block_size)
+            token_ids = [t % self.vocab_size for t in range(n)]
+            block_ids = list(range(next_block, next_block + num_blocks))
+            batch.append((RequestState(f"profile-{i}", token_ids, n, sampling, block_ids, 0), n))
+            next_block += num_blocks
+        assert next_block <= self.num_blocks, f"the profiling step needs {next_block} blocks, the cache has {self.num_blocks}"
+        # Laid out exactly as a real step would be.
+        input_ids, positions, meta, cu = self.prepare_inputs(batch)
+        self.attn_backend.prepare(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.tp is None or self.tp.is_driver:
+            logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:] - 1, device=self.device)])
+            # Equal logits put top-p's nucleus beyond its candidate tokens (in
+            # any vocabulary above 4551), so every row takes the full-sort path.
+            logits.zero_()
+            md = build_sampling_metadata(params, [s.token_ids for s, _ in batch], [[] for _ in batch],
+                                         self.vocab_size, self.device)
+            self.sampler(logits, md)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -3,9 +3,15 @@
 Each library is built once per version of its source and the local headers
 it includes, flags and CPU (-march=native)
 into a `build/` folder beside its source (or the temp dir when that is read
-only) and reused; ctypes releases the GIL for every call. `load_library`
-returns None when there is no compiler or the build fails, and the caller
-falls back to plain torch.
+only) and reused; ctypes releases the GIL for every call. Its functions'
+argument and result types come from native_signatures.py, the one
+declaration of each C signature on the Python side.
+
+The kernels need a C compiler with OpenMP (gcc). Without one, or when the
+build fails, `load_library` logs a warning and returns None, and the caller
+falls back to plain torch: slower, same results. PAGEDSERVE_NATIVE=require
+(read once, when this module is first imported; CI sets it) turns that into
+a NativeBuildError instead, so a broken kernel cannot pass as a fallback.
 """
 from __future__ import annotations
 
@@ -17,11 +23,31 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 
 import structlog
 
+from executor_svc.native_signatures import SIGNATURES, bind
+
 log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+ENV_VAR = "PAGEDSERVE_NATIVE"
+
+
+class NativeBuildError(RuntimeError):
+    """A native kernel could not be built while PAGEDSERVE_NATIVE=require."""
+
+
+def native_required(environ: Mapping[str, str]) -> bool:
+    """PAGEDSERVE_NATIVE: "auto" (default: fall back to torch) or "require"."""
+    mode = environ.get(ENV_VAR, "auto") or "auto"
+    if mode not in ("auto", "require"):
+        raise ValueError(f"{ENV_VAR}={mode!r}: expected 'auto' or 'require'")
+    return mode == "require"
+
+
+REQUIRED = native_required(os.environ)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -70,14 +96,21 @@ def _source_and_headers(source: str) -> bytes:
     return read(source)
 
 
+def _unavailable(stem: str, reason: str, stderr: str = "") -> None:
+    if REQUIRED:
+        raise NativeBuildError(f"{ENV_VAR}=require: the native kernel {stem} cannot be built: {reason}\n{stderr}")
+    log.warning("native_build_unavailable", source=stem, reason=reason, **({"stderr": stderr} if stderr else {}))
+
+
 def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled `source` as a loaded library, or None if it cannot be built here."""
+    """The compiled `source` as a loaded library with its declared functions
+    bound (native_signatures.py), or None if it cannot be built here (a
+    NativeBuildError under PAGEDSERVE_NATIVE=require)."""
     flags = [*FLAGS, *extra_flags]
     stem = os.path.splitext(os.path.basename(source))[0]
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("native_build_unavailable", source=stem, reason="no C compiler on PATH")
-        return None
+        return _unavailable(stem, "no C compiler on PATH")
     code = _source_and_headers(source)
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     folder = _build_dir(source)
@@ -87,7 +120,8 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
         tmp = f"{lib_path}.{os.getpid()}.tmp"
         done = subprocess.run([compiler, *flags, source, "-o", tmp, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            log.warning("native_build_unavailable", source=stem, reason="compile failed", stderr=done.stderr[-2000:])
-            return None
+            return _unavailable(stem, "compile failed", done.stderr[-2000:])
         os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
-    return ctypes.CDLL(lib_path)
+    lib = ctypes.CDLL(lib_path)
+    key = os.path.relpath(os.path.abspath(source), _PACKAGE_DIR)
+    return bind(lib, key) if key in SIGNATURES else lib

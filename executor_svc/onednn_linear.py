@@ -2,7 +2,7 @@
 with native bf16 arithmetic (AVX512-BF16 or AMX).
 
 On such CPUs a bfloat16 model still runs in float32 arithmetic over its
-bfloat16 weights (model.widen_bf16: the native fused ops and attention
+bfloat16 weights (weight_packing.widen_bf16: the native fused ops and attention
 kernels, and the packed kernel reading bfloat16 blocks, which is bound by the
 weight read at decode sizes). Past some number of rows the GEMM turns
 compute-bound, and there the CPU's bf16 FMA/AMX units beat float32 FMAs by
@@ -10,7 +10,9 @@ about 2.4x (the issue-18 machine: 408 vs 172 GFLOP/s measured ceilings). So
 each weight is also reordered once, at load, into oneDNN's blocked layout
 (what vLLM's CPU back end does), and rows at or above a crossover go there:
 activations rounded to bfloat16, products summed in float32 by oneDNN, the
-result widened back to float32.
+sum rounded to bfloat16 (oneDNN's output takes the input's dtype, and CPU
+torch has no bf16 x bf16 -> float32 GEMM; torch's own bf16 models round every
+activation so) and widened back to float32.
 
 The crossover depends on the CPU (AVX512-BF16 or AMX, cores, caches), so it
 is measured at start-up (`calibrate`) on random weights of the model's

@@ -21,7 +21,7 @@ which the kernel widens to float32 (exactly: a bfloat16 is the top half of a
 float32). That is how `--dtype bfloat16` runs on CPUs without AVX512-BF16:
 bfloat16 weights at half the bytes, float32 arithmetic at the float32 rate,
 instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
-~2.8x at 8-64, prefill 3.5x, docs/benchmarks.md). Past BF16_MAX_ROWS rows,
+~2.8x at 8-64, prefill 3.5x, docs/optimization_log.md). Past BF16_MAX_ROWS rows,
 where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
 On CPUs with native bf16 arithmetic the larger row counts go to oneDNN's
@@ -41,7 +41,6 @@ from executor_svc import onednn_linear
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "packed_gemm.c")
-_i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,16 @@ class _Kernel:
 @lru_cache(maxsize=1)
 def kernel() -> _Kernel | None:
     """The compiled kernel, or None where it cannot run (no compiler, no AVX-512)."""
-    lib = load_library(SOURCE)
+    lib = load_library(SOURCE)  # typed from native_signatures.py
     if lib is None or lib.packed_gemm_panel_width() == 0:
         return None
-    gemm = lib.packed_gemm
-    gemm.argtypes = [_p, _i64, _p, _i64, _p, _p, _i32, _i32, _i32, _i32]
-    gemm.restype = _i32
-    gemm_blocks = lib.packed_gemm_quant
-    gemm_blocks.argtypes = [_p, _i64, _p, _i64, _p, _i32, _p, _i32, _i32, _i32, _i32]
-    gemm_blocks.restype = _i32
-    return _Kernel(gemm, gemm_blocks, lib.packed_gemm_panel_width())
+    return _Kernel(lib.packed_gemm, lib.packed_gemm_quant, lib.packed_gemm_panel_width())
 
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
 # at 8-256 rows, the linears of 30 layers); at one row both read the weights at
 # full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
-# fast or faster (docs/benchmarks.md, optimization log).
+# fast or faster (docs/optimization_log.md).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 # Block panels read 3.8-6.4x fewer bytes but expand them on every call: they win
 # while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even

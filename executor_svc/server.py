@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha import reflection
 
 from executor_svc.metrics import ExecutorMetrics
 from executor_svc.worker import Worker
-from shared.grpc_auth import BearerAuthInterceptor
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from shared.grpc_auth import BearerAuthInterceptor
 from shared.step_codec import plan_from_proto, result_to_proto
 
 log = structlog.get_logger(__name__)

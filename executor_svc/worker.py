@@ -8,11 +8,12 @@ profiling step at the scheduler's largest batch has run (memory_profile.py).
 
 With tensor parallelism (`tp` given) each rank's Worker holds its share of the
 model and KV heads; rank 0's `configure` relays itself to the other ranks, and
-all ranks agree on one block count (tensor_parallel.py).
+all ranks agree on one block count (tensor_parallel.py; tp_launch.py starts them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -25,8 +26,10 @@ from executor_svc.memory_profile import cuda_kv_budget
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import load_model
 from executor_svc.model_runner import ModelRunner
-from executor_svc.tensor_parallel import TPGroup
 from executor_svc.tokenizer_info import TokenizerInfo
+
+if TYPE_CHECKING:
+    from executor_svc.tensor_parallel import TPGroup
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +74,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
     for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
-    model.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own)."""
+    weight_packing.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own)."""
     if name == "torch" or device.type != "cpu":
         return False
     # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.

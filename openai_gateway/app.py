@@ -30,8 +30,18 @@ from starlette.routing import Route
 
 from openai_gateway.config import GatewayConfig
 from openai_gateway.translate import (
-    COMPLETION, APIError, Translated, chat_request, chunk_json, completion_request, finish_reason, from_grpc,
-    logprob_token_ids, logprobs_json, response_json, usage_chunk_json,
+    COMPLETION,
+    APIError,
+    Translated,
+    chat_request,
+    chunk_json,
+    completion_request,
+    finish_reason,
+    from_grpc,
+    logprob_token_ids,
+    logprobs_json,
+    response_json,
+    usage_chunk_json,
 )
 from pagedserve_client import AsyncClient, Completion
 

@@ -104,7 +104,7 @@ class GenerateStream:
     def __init__(self, call):
         self._call = call
 
-    def __iter__(self) -> "GenerateStream":
+    def __iter__(self) -> GenerateStream:
         return self
 
     def __next__(self) -> pb.GenerateResponse:
@@ -122,7 +122,7 @@ class GenerateStream:
             raise AttributeError(name)
         return getattr(self._call, name)
 
-    def __enter__(self) -> "GenerateStream":
+    def __enter__(self) -> GenerateStream:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.executor_client import ExecutorClient, ExecutorInfo, ExecutorLost, ExecutorRefused
+from scheduler_svc.executor_connection import ExecutorConnection, ExecutorInfo, ExecutorLost, ExecutorRefused
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler
@@ -96,7 +96,7 @@ class SampleOutput:
 
 @dataclass(eq=False)
 class _Sample:
-    handle: "RequestHandle"
+    handle: RequestHandle
     index: int
     request: Request
     detok: IncrementalDetokenizer
@@ -119,7 +119,7 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, config, client: ExecutorClient):
+    def __init__(self, config, client: ExecutorConnection):
         self.config = config
         self.client = client
         self.info: ExecutorInfo | None = None

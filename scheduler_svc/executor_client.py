@@ -2,56 +2,28 @@
 
 Protobuf stays in this file; the engine sees `ExecutorInfo`, `StepPlan` and
 `StepResult` dataclasses. Any transport failure surfaces as `ExecutorLost`.
+`ExecutorClient` implements executor_connection.py's `ExecutorConnection`,
+the interface the engine depends on.
 """
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.executor_connection import ExecutorInfo, ExecutorLost, ExecutorRefused
 from shared.step_codec import plan_to_proto, result_from_proto
 from shared.step_plan import StepPlan, StepResult
-
-
-class ExecutorLost(ConnectionError):
-    """The executor cannot be reached or its stream broke; its KV state is gone."""
-
-
-class ExecutorRefused(ExecutorLost):
-    """The executor answered the handshake with a refusal (another scheduler holds
-    it, a bad token, a different model than before): worth an operator's look,
-    since waiting alone may not help."""
-
 
 # Handshake failures that mean "not reachable (yet)"; any other code is a refusal.
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-@dataclass(frozen=True)
-class ExecutorInfo:
-    model_name: str
-    architecture: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    max_model_len: int
-    dtype: str
-    num_kv_blocks: int
-    kv_cache_bytes: int
-    instance_id: str
-    device: str
-    attention_backend: str
-    tokenizer_json: str
-    chat_template: str
-    bos_token: str
-    eos_token: str
-    add_bos_token: bool
-
-
 class ExecutorClient:
+    """The gRPC `ExecutorConnection`."""
+
     def __init__(self, address: str, auth_token: str = ""):
         self._address = address
         # One id per scheduler process: the executor lets the same scheduler reconnect at once

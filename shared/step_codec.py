@@ -6,7 +6,6 @@ and decodes results, the executor does the reverse.
 from __future__ import annotations
 
 from pagedserve.executor.v1 import executor_pb2 as pb
-
 from shared.sampling_params import SamplingParams
 from shared.step_plan import (
     CachedRequestData,

@@ -179,7 +179,7 @@ class FakeExecutor:
             return StepResult(step_id=plan.step_id, error=error, failed_request_ids=ids)
 
         # Like the real model: the whole step's KV is written before anyone reads.
-        for rid, req, n in batch:
+        for _rid, req, n in batch:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             fps = req.fps_up_to(end)
             for pos in range(start, end):

@@ -68,7 +68,7 @@ class Servers:
     def start_executor(self) -> None:
         self.executor = self._spawn("executor_svc", ["--listen", self.executor_addr, *self.executor_args], "executor.log")
 
-    def start(self, timeout: float = 180.0) -> "Servers":
+    def start(self, timeout: float = 180.0) -> Servers:
         self.start_executor()
         self.scheduler = self._spawn(
             "scheduler_svc", ["--listen", self.public_addr, "--executor", self.executor_addr, *self.scheduler_args], "scheduler.log"

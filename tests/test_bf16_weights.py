@@ -1,5 +1,5 @@
 """--dtype bfloat16 on CPUs without AVX512-BF16: bfloat16 weights (and KV),
-float32 arithmetic (packed_linear.pack_bf16, LlamaForCausalLM.widen_bf16).
+float32 arithmetic (packed_linear.pack_bf16, weight_packing.widen_bf16).
 
 The claim to hold it to: the kernel widens each bfloat16 weight exactly and
 keeps the float32 kernel's order of FMAs, so a widened model computes what a
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import PagedEngine, make_backend, save_tiny_hf_model
+from test_packed_linear import float32_panels
 
-from executor_svc import packed_linear
+from executor_svc import packed_linear, weight_packing
 from executor_svc.config import ExecutorConfig
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
@@ -23,8 +25,6 @@ from executor_svc.packed_linear import (
     pack_bf16,
     route,
 )
-from model_utils import PagedEngine, make_backend, save_tiny_hf_model
-from test_packed_linear import float32_panels
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
 
@@ -104,11 +104,11 @@ def load(folder: str, widened: bool) -> LlamaForCausalLM:
     if widened:
         model = LlamaForCausalLM(checkpoint.config, make_backend("cpu"), dtype=torch.bfloat16)
         model.load_weights(checkpoint.tensor)
-        model.widen_bf16()
+        weight_packing.widen_bf16(model)
     else:
         model = LlamaForCausalLM(checkpoint.config, make_backend("cpu"))
         model.load_weights(lambda name: checkpoint.tensor(name).to(torch.bfloat16).float())
-        model.pack_linear_weights()
+        weight_packing.pack_linear_weights(model)
     return model
 
 
@@ -158,7 +158,7 @@ def test_tensor_parallel_shard_that_splits_a_block_widens_to_float32(tmp_path):
     checkpoint = HFCheckpoint(str(tmp_path))
     model = LlamaForCausalLM(checkpoint.config, make_backend("dense"), dtype=torch.bfloat16, tp_rank=1, tp_size=2)
     model.load_weights(checkpoint.tensor)
-    model.widen_bf16()
+    weight_packing.widen_bf16(model)
     layer = model.layers[1]
     assert "down" not in layer.packed and layer.down_weight.dtype == torch.float32
     down = checkpoint.tensor("model.layers.1.mlp.down_proj.weight")  # [64, 160]; rank 1 holds columns 80..159
@@ -209,10 +209,10 @@ def test_worker_serves_bfloat16_widened(tmp_path):
     """Through the executor's Worker: --dtype bfloat16 on a CPU without fast
     bf16 (forced here, whatever this CPU has) loads the widened model and a
     bfloat16 KV cache; --cpu-gemm torch keeps torch's bf16."""
-    from executor_svc import worker as worker_mod
-
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+
+    from executor_svc import worker as worker_mod
 
     save_tiny_hf_model("llama_tied", str(tmp_path))
     # The Worker loads a tokenizer with every model; nothing here tokenizes.
@@ -226,7 +226,7 @@ def test_worker_serves_bfloat16_widened(tmp_path):
     finally:
         worker_mod.cpu_has_fast_bf16 = original
     assert widened.packed_gemm and widened.model.compute_dtype == torch.float32
-    assert widened.model.block_panel_bytes() > 0
+    assert weight_packing.block_panel_bytes(widened.model) > 0
     assert not emulated.packed_gemm and emulated.model.compute_dtype == torch.bfloat16
     info = widened.configure(block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
     assert info.dtype_name == "bfloat16" and widened.runner.kv_caches[0][0].dtype == torch.bfloat16

@@ -9,10 +9,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_utils import PagedEngine, hf_greedy, load_hf_folder, make_backend, save_tiny_gguf, save_tiny_hf_model
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from executor_svc import packed_linear
+from executor_svc import packed_linear, weight_packing
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import INDEX_FILE, HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
@@ -20,7 +21,6 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import default_model_path, load_model
 from executor_svc.packed_linear import linear
 from executor_svc.tokenizer_info import TokenizerInfo
-from model_utils import PagedEngine, hf_greedy, load_hf_folder, make_backend, save_tiny_gguf, save_tiny_hf_model
 
 TEXTS = [
     "Hello world",
@@ -196,7 +196,7 @@ def test_quantized_gguf_blocks_serve_the_float32_model(tmp_path, kind, quant):
     for blocks in (None, checkpoint.blocks):
         model = LlamaForCausalLM(checkpoint.config, make_backend("cpu"))
         model.load_weights(checkpoint.tensor)
-        model.pack_linear_weights(blocks)
+        weight_packing.pack_linear_weights(model, blocks)
         models.append(model)
     plain, with_blocks = models
     assert plain.layers[0].packed["qkv"].blocks is None
@@ -228,7 +228,7 @@ def test_block_panels_hold_each_tensor_parallel_share(tmp_path):
     checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
     model = LlamaForCausalLM(checkpoint.config, make_backend("dense"), tp_rank=1, tp_size=2)
     model.load_weights(checkpoint.tensor)
-    model.pack_linear_weights(checkpoint.blocks)
+    weight_packing.pack_linear_weights(model, checkpoint.blocks)
     layer = model.layers[1]
     assert layer.packed["down"].blocks is None
     for name in ("qkv", "o", "gate_up"):

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from executor_svc import packed_linear
-from executor_svc.model_loader import load_model
 from model_utils import (
     PagedEngine,
     hf_greedy,
@@ -21,6 +18,9 @@ from model_utils import (
     same_weights,
     save_tiny_hf_model,
 )
+
+from executor_svc import packed_linear, weight_packing
+from executor_svc.model_loader import load_model
 
 BACKENDS = ["dense", "torch"]
 NUM_NEW = 20
@@ -133,7 +133,7 @@ def test_smollm2_packed_gemm_matches_hf(smol):
     """The serving default on AVX-512 CPUs: linear layers through the packed kernel."""
     ours, _, prompts, references = smol
     model = same_weights(ours, make_backend("cpu"))
-    model.pack_linear_weights()
+    weight_packing.pack_linear_weights(model)
     outs, first = greedy_batched(PagedEngine(model, num_blocks=32, block_size=16), prompts, NUM_NEW)
     for out, (ref, ref_first, _), row in zip(outs, references, first):
         assert out == ref
@@ -150,7 +150,7 @@ def test_smollm2_gguf_blocks_match_hf(smol):
 
     ours, _, prompts, references = smol
     model = same_weights(ours, make_backend("cpu"))
-    model.pack_linear_weights(GGUFCheckpoint(default_model_path()).blocks)
+    weight_packing.pack_linear_weights(model, GGUFCheckpoint(default_model_path()).blocks)
     assert model.layers[0].packed["down"].blocks.kind == "Q4_1" and model._head_packed.blocks.kind == "Q8_0"
     outs, first = greedy_batched(PagedEngine(model, num_blocks=32, block_size=16), prompts, NUM_NEW)
     for out, (ref, ref_first, _), row in zip(outs, references, first):
@@ -264,5 +264,5 @@ def test_tiny_model_packed_gemm_matches_hf(tiny, kind):
     """Packed linear layers: untied head, qkv bias, tied head."""
     hf_model, folder = tiny(kind)
     ours = load_hf_folder(folder, make_backend("cpu"))
-    ours.pack_linear_weights()
+    weight_packing.pack_linear_weights(ours)
     assert_tiny_batch_matches_hf(ours, hf_model, 12, seed=3)

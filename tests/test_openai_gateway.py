@@ -46,7 +46,7 @@ def start_gateway(scheduler: str, log_path: str) -> tuple[subprocess.Popen, str]
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"gateway did not start; see {log_path}")
+                raise RuntimeError(f"gateway did not start; see {log_path}") from None
             time.sleep(0.1)
 
 

@@ -103,7 +103,7 @@ def test_no_step_is_planned_past_max_tokens():
     scheduler = make_scheduler()
     req = request("a", [5, 6, 7], max_tokens=2)
     scheduler.add_request(req)
-    first, second = scheduler.schedule(), scheduler.schedule()
+    _first, second = scheduler.schedule(), scheduler.schedule()
     assert second.num_requests == 1 and req.num_pending_samples == 2
     third = scheduler.schedule()
     assert third.num_requests == 0, "both samples max_tokens allows are already in flight"

@@ -14,7 +14,6 @@ from scheduler_svc.request import RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepResult
 
-
 # -- configuration and requests ------------------------------------------------
 
 

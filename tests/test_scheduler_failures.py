@@ -10,7 +10,6 @@ from scheduler_factories import VOCAB, expected_outputs, make_request, make_sche
 from scheduler_svc.request import RequestStatus
 from shared.step_plan import StepResult
 
-
 # -- aborts ---------------------------------------------------------------------------
 
 

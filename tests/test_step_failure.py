@@ -1,7 +1,7 @@
 """A step that raises fails only its requests, with INTERNAL, and frees their blocks.
 
 The real scheduler front end (gRPC server, engine, scheduler) runs in process
-against a FakeExecutor behind a stand-in ExecutorClient; the fake fails one
+against a FakeExecutor behind a stand-in ExecutorConnection; the fake fails one
 step for one request, as the executor reports a kernel exception.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.config import SchedulerServiceConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.executor_client import ExecutorInfo
+from scheduler_svc.executor_connection import ExecutorInfo
 from scheduler_svc.server import GenerationServicer
 from tests.servers import free_port
 
@@ -24,7 +24,7 @@ VOCAB = 200
 
 
 class FakeClient:
-    """ExecutorClient's interface over a FakeExecutor; fails one request on demand."""
+    """An ExecutorConnection over a FakeExecutor; fails one request on demand."""
 
     def __init__(self):
         self.executor: FakeExecutor | None = None

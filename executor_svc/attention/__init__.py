@@ -1,4 +1,5 @@
-"""Paged attention: one interface, two backends.
+"""Paged attention: one interface (backend.py's `AttentionBackend`), three
+backends: "cpu" (native kernels), "torch" (gather + SDPA) and "triton" (CUDA).
 
 KV cache layout, per layer, allocated once at start:
 
@@ -6,25 +7,14 @@ KV cache layout, per layer, allocated once at start:
 
 Block 0 is the reserved null block: padding entries of block tables point to
 it, and nothing a request reads is ever stored there.
-
-A backend is any object with:
-    name: str
-    prepare(meta: AttentionMetadata) -> None
-        called once per step before the layers run; may precompute and stash
-        backend-specific index tensors in meta.extra (shared by all layers).
-    write_kv(key, value, k_cache, v_cache, meta) -> None
-        key/value [num_tokens, num_kv_heads, head_dim]; writes token i into
-        slot meta.slot_mapping[i] (= block_id * block_size + offset).
-    forward(query, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
-        causal attention of each request's new tokens over its cached tokens
-        plus its new tokens (already written by write_kv), with GQA.
 """
+from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 
 
-def get_backend(name: str):
+def get_backend(name: str) -> AttentionBackend:
     """Returns the backend called `name` ("cpu", "torch" or "triton").
 
     "cpu" needs a C compiler for its decode kernel; without one it falls back

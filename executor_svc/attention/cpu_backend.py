@@ -46,7 +46,7 @@ class _PrefillItems:
 
 
 @dataclass
-class _StepPlan:
+class _CpuStepLayout:
     decodes: _Decodes | None
     has_prefills: bool
     prefills: _PrefillItems | None  # None without a native prefill kernel: SDPA
@@ -77,7 +77,7 @@ class CpuAttentionBackend:
         prefills = None
         if has_prefills and self._prefill_kernel is not None:
             prefills = _prefill_items(meta, self._prefill_kernel.tokens_per_item)
-        meta.extra[self.name] = _StepPlan(decodes, has_prefills, prefills)
+        meta.extra[self.name] = _CpuStepLayout(decodes, has_prefills, prefills)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 via ctypes: native/paged_decode.c and native/paged_prefill.c.
 
 `load()` and `load_prefill()` return None when a kernel cannot be built
-here, and the CPU backend then falls back to plain torch.
+here, and the CPU backend then falls back to plain torch. Their signatures
+are declared once, in executor_svc/native_signatures.py.
 """
 from __future__ import annotations
 
@@ -16,17 +17,6 @@ from executor_svc.native_build import load_library
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
 PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
 
-_i64, _i32, _f32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_ARGTYPES = [
-    _p, _i64, _i64,  # out, strides
-    _p, _i64, _i64,  # q, strides
-    _p, _p, _i32,  # k_cache, v_cache, cache_bf16
-    _p, _i64,  # block_tables, stride
-    _p, _p, _p, _p, _i32,  # seq_lens, tokens, out_rows, seq_index, num_decodes
-    _i32, _i32, _i32, _i32, _i32,  # num_heads, num_kv_heads, head_dim, block_size, max_seq_len
-    _f32, _i32,  # scale, num_threads
-]
-
 
 @lru_cache(maxsize=2)
 def load(portable: bool = False):
@@ -37,26 +27,12 @@ def load(portable: bool = False):
     lib = load_library(SOURCE, ("-DPAGED_DECODE_GENERIC",) if portable else ())
     if lib is None:
         return None
-    fn = lib.paged_decode_attention
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_PREFILL_ARGTYPES = [
-    _p, _i64, _i64,  # out, strides
-    _p, _i64, _i64,  # q, strides
-    _p, _p, _i32,  # k_cache, v_cache, cache_bf16
-    _p, _i64,  # block_tables, stride
-    _p, _p, _p, _p, _i32,  # item_token, item_count, item_pos, item_seq, num_items
-    _i32, _i32, _i32, _i32,  # num_heads, num_kv_heads, head_dim, block_size
-    _f32, _i32,  # scale, num_threads
-]
+    return lib.paged_decode_attention  # typed from native_signatures.py
 
 
 @dataclass(frozen=True)
 class PrefillKernel:
-    attend: ctypes._CFuncPtr  # paged_prefill_attention(...), argument order in _PREFILL_ARGTYPES
+    attend: ctypes._CFuncPtr  # paged_prefill_attention(...), signature in native_signatures.py
     tokens_per_item: int  # the most query tokens one work item may carry
 
 
@@ -67,7 +43,4 @@ def load_prefill() -> PrefillKernel | None:
     lib = load_library(PREFILL_SOURCE)
     if lib is None:
         return None
-    fn = lib.paged_prefill_attention
-    fn.argtypes = _PREFILL_ARGTYPES
-    fn.restype = ctypes.c_int
-    return PrefillKernel(fn, lib.paged_prefill_tokens_per_item())
+    return PrefillKernel(lib.paged_prefill_attention, lib.paged_prefill_tokens_per_item())

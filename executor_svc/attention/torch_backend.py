@@ -64,7 +64,7 @@ class _Prefill:
 
 
 @dataclass
-class _StepPlan:
+class _TorchStepLayout:
     decode_groups: list[_DecodeGroup]
     prefills: list[_Prefill]
     max_rows: int  # largest gather of the step, sizes the workspace
@@ -119,7 +119,7 @@ class TorchAttentionBackend:
             prefills.append(_Prefill(starts[i], starts[i + 1], slots, mask))
 
         max_rows = max([g.slots.numel() for g in groups] + [p.slots.numel() for p in prefills] + [0])
-        meta.extra[self.name] = _StepPlan(groups, prefills, max_rows)
+        meta.extra[self.name] = _TorchStepLayout(groups, prefills, max_rows)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

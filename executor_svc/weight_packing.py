@@ -1,0 +1,153 @@
+"""CPU weight repacking for the native GEMM (packed_linear.py), applied to a
+loaded model as a post-load hook (`apply`, called by model_loader.py).
+
+The model (model.py) is the architecture only: it keeps empty slots for the
+kernel's copies (`DecoderLayer.packed` by weight name, the head's
+`_head_packed`) and uses whatever is in them. This module fills them:
+
+    float32 model   pack_linear_weights: float32 panels of every linear
+                    weight and the head (plus their GGUF Q4_1/Q8_0 blocks,
+                    where the file has them), beside the weights
+    bfloat16 model  widen_bf16: bfloat16 block panels, float32 arithmetic
+                    (for CPUs without AVX512-BF16)
+
+Either runs once, after load_weights and before the first forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from executor_svc import onednn_linear
+from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM, rope_cache
+from executor_svc.packed_linear import BLOCK_K, PackedWeight, pack, pack_bf16, pack_blocks
+
+# GGUFCheckpoint.blocks: (kind, uint8 rows) of a tensor the file keeps in blocks, else None.
+BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
+
+
+def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min_rows: int | None = None) -> None:
+    """The post-load hook: packs a float32 CPU model's weights (with the GGUF
+    `blocks` where given) or widens a bfloat16 one (with oneDNN from
+    `onednn_min_rows` rows where given). The caller has checked that the
+    kernel is available (worker.use_packed_gemm)."""
+    if model.embed_tokens.dtype == torch.bfloat16:
+        widen_bf16(model, onednn_min_rows)
+    else:
+        pack_linear_weights(model, blocks)
+
+
+@torch.no_grad()
+def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = None) -> None:
+    """Adds the native CPU GEMM's packed copy of every linear weight and of
+    the head (packed_linear.py), after load_weights, on float32 CPU models
+    where the kernel was built. It doubles the linear weights' memory
+    (plus the blocks, where kept: 5/32 or 8.5/32 of their float32 size).
+
+    `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
+    weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
+    kernel's small-batch path: a fused weight only if all its parts are
+    blocks of one kind, and a row-parallel shard only if it starts on a
+    block boundary."""
+    assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.float32, (
+        f"packing needs a float32 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
+    )
+    for i, layer in enumerate(model.layers):
+        layer.packed = {}
+        for name, (parts, split) in LINEAR_PARTS.items():
+            weight = getattr(layer, f"{name}_weight")
+            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            layer.packed[name] = PackedWeight(pack(weight), _block_panels(model, blocks, names, split, weight))
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    model._head_packed = PackedWeight(pack(head), _block_panels(model, blocks, [head_name], None, head))
+
+
+@torch.no_grad()
+def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None) -> None:
+    """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
+    weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
+    at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
+    win only once enough rows make them compute-bound (onednn_linear.py),
+    while every other op has a native float32 kernel and no bf16 one. After load_weights: every linear
+    weight and the head are also packed into BF16 block panels, which the
+    kernel widens to float32 exactly as it reads them (the bfloat16
+    tensors stay, widened per call for MKL, which takes the larger row
+    counts); the norms, biases and rope tables become float32, as do the
+    activations from the embedding lookup on. So the weights keep their
+    bfloat16 values, in as many bytes as float32 weights alone (half what
+    a float32 model keeps beside its panels); only the arithmetic is
+    float32. A weight whose input width is not a multiple of 32 (possible
+    in a tensor-parallel shard) is widened to a float32 tensor instead.
+    With `onednn_min_rows` (CPUs with native bf16), each packed weight is
+    also kept in oneDNN's layout for that many rows and more.
+    """
+    assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
+        f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
+    )
+
+    def packed(owner: nn.Module, attr: str) -> PackedWeight | None:
+        weight = getattr(owner, attr)
+        if weight.shape[1] % BLOCK_K:
+            setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
+            return None
+        return bf16_packed(weight)
+
+    def bf16_packed(weight: torch.Tensor) -> PackedWeight:
+        if onednn_min_rows is None:
+            return PackedWeight(None, pack_bf16(weight))
+        return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows)
+
+    for layer in model.layers:
+        layer.packed = {}
+        for name in LINEAR_PARTS:
+            p = packed(layer, f"{name}_weight")
+            if p is not None:
+                layer.packed[name] = p
+        for attr in ("input_norm", "post_norm", "qkv_bias"):
+            if getattr(layer, attr) is not None:
+                setattr(layer, attr, nn.Parameter(getattr(layer, attr).float(), requires_grad=False))
+    model.norm = nn.Parameter(model.norm.float(), requires_grad=False)
+    if model.lm_head is not None:
+        model._head_packed = packed(model, "lm_head")
+    elif model.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
+        model._tied_head, model._head_packed = None, bf16_packed(model.embed_tokens)
+    else:
+        model._tied_head = model.embed_tokens.float().t().contiguous().t()
+    model.rope_cos, model.rope_sin_signed = rope_cache(model.config, torch.float32, model.rope_cos.device)
+    model.compute_dtype = torch.float32
+
+
+def block_panel_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights kept in block panels for the packed GEMM: GGUF
+    blocks, or bfloat16 ones after widen_bf16 (0 without them)."""
+    packed = [p for layer in model.layers for p in layer.packed.values()] + [model._head_packed]
+    return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
+
+
+def _block_panels(
+    model: LlamaForCausalLM, blocks: BlockSource | None, names: list[str], split: int | None, weight: torch.Tensor
+):
+    """This rank's share of the named weights' GGUF blocks, concatenated by
+    rows and packed; None where any part is not in blocks (see above)."""
+    if blocks is None:
+        return None
+    found = [blocks(name) for name in names]
+    if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
+        return None
+    shares = []
+    for _, rows in found:
+        if split is not None and model.tp_size > 1:
+            if rows.shape[split] % model.tp_size:
+                return None  # a shard boundary inside a block
+            share = rows.shape[split] // model.tp_size
+            rows = rows.narrow(split, model.tp_rank * share, share)
+        shares.append(rows)
+    rows = torch.cat(shares)
+    assert (rows.shape[0], rows.shape[1] * BLOCK_K) == tuple(weight.shape), (
+        f"{names}: blocks {tuple(rows.shape)} do not hold a {tuple(weight.shape)} weight"
+    )
+    return pack_blocks(found[0][0], rows)
