@@ -1,11 +1,16 @@
 """Compiles a native C source with the system compiler and loads it via ctypes.
 
 Each library is built once per version of its source and the local headers
-it includes, flags and CPU (-march=native)
-into a `build/` folder beside its source (or the temp dir when that is read
-only) and reused; ctypes releases the GIL for every call. `load_library`
-returns None when there is no compiler or the build fails, and the caller
-falls back to plain torch.
+it includes, flags and CPU (-march=native) and reused; ctypes releases the GIL
+for every call. `load_library` returns None when there is no compiler, the
+build fails or the cache is not private, and the caller falls back to plain
+torch.
+
+The cache is this user's own: $XDG_CACHE_HOME/pagedserve/native (by default
+~/.cache/pagedserve/native), created 0700 and refused when it is owned by
+someone else or open to group or others (shared/private_dir.py). A shared
+library is code this process runs: a directory another user can write to, a
+predictable /tmp path above all, would let them plant one.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 
 import structlog
+
+from shared.private_dir import ensure_private_dir
 
 log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -38,15 +44,12 @@ def _cpu_signature() -> str:
     return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
-def _build_dir(source: str) -> str:
-    here = os.path.join(os.path.dirname(source), "build")
-    try:
-        os.makedirs(here, exist_ok=True)
-        if os.access(here, os.W_OK):
-            return here
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), "pagedserve-native")
+def cache_dir() -> str:
+    """Where compiled kernels live (not yet checked: see load_library). Read at
+    each call, like the temp dir it replaces: kernels load lazily, deep below
+    any configuration."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedserve", "native")
 
 
 def _source_and_headers(source: str) -> bytes:
@@ -80,8 +83,11 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
         return None
     code = _source_and_headers(source)
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    folder = _build_dir(source)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        folder = ensure_private_dir(cache_dir())
+    except OSError as e:  # NotPrivateError is one: owned by another user, or open to others
+        log.warning("native_build_unavailable", source=stem, reason=f"kernel cache refused: {e}")
+        return None
     lib_path = os.path.join(folder, f"{stem}-{key}.so")
     if not os.path.exists(lib_path):
         tmp = f"{lib_path}.{os.getpid()}.tmp"
