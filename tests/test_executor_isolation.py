@@ -134,7 +134,7 @@ def test_another_local_user_cannot_handshake_or_step_a_default_executor(tiny_mod
                                  "--dtype", "float32", "--kv-cache-gib", "0.01"],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while health_status(addr) != health_pb2.HealthCheckResponse.SERVING:
             assert executor.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "executor.log").read_text()[-2000:]
