@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -72,8 +73,11 @@ async def serve_stand_in(listen: str, step_s: float) -> None:
 
     from executor_svc.metrics import ExecutorMetrics
     from executor_svc.server import serve
+    from shared.executor_secret import default_secret_dir, installation_secret
 
-    server, health = await serve(StandInWorker(step_s), listen, ExecutorMetrics())
+    # The secret the scheduler it serves uses (the same variable the real executor reads).
+    secret = installation_secret(os.environ.get("PAGEDSERVE_SECRET_DIR") or default_secret_dir(os.environ))
+    server, health = await serve(StandInWorker(step_s), listen, ExecutorMetrics(), secret)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.wait_for_termination()
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
+from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
 from shared.net import is_loopback, validate_address
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -37,8 +38,12 @@ class ExecutorConfig:
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" = off
-    auth_token_file: str = ""  # shared secret required on every call when set
-    auth_token: str = ""  # the secret itself (from the file or PAGEDSERVE_AUTH_TOKEN)
+    auth_token_file: str = ""  # the operator's secret file; "" = this installation's secret (secret_dir)
+    # The secret the scheduler must present on every call but health: from
+    # --auth-token[-file], else this installation's (shared/executor_secret.py).
+    # parse_config always sets it; only a public --listen needs the operator's.
+    auth_token: str = ""
+    secret_dir: str = ""  # where this installation's secret lives; "" = $XDG_STATE_HOME/pagedserve
 
     def __post_init__(self) -> None:
         validate_address(self.listen)
@@ -110,13 +115,22 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
-    p.add_argument("--auth-token-file", default=d.auth_token_file, help="File holding the shared secret the scheduler must present.")
-    p.add_argument("--auth-token", default="", help="The shared secret itself; prefer --auth-token-file.")
+    p.add_argument("--auth-token-file", default=d.auth_token_file,
+                   help="File holding the secret the scheduler must present (needed on a public --listen). "
+                        "Without it, this installation's secret in --secret-dir is used.")
+    p.add_argument("--auth-token", default="", help="The secret itself; prefer --auth-token-file.")
+    p.add_argument("--secret-dir", default=d.secret_dir,
+                   help="Private directory (0700) of this installation's executor secret, generated on first "
+                        "start; the scheduler must use the same one. Default: $XDG_STATE_HOME/pagedserve "
+                        "(~/.local/state/pagedserve).")
     a = p.parse_args(argv)
-    token = a.auth_token
-    if a.auth_token_file:
-        with open(a.auth_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
+    try:
+        token = read_secret_file(a.auth_token_file) if a.auth_token_file else a.auth_token
+        if not token and is_loopback(a.listen):
+            # A public address needs a secret the operator hands to a remote scheduler (checked below).
+            token = installation_secret(a.secret_dir or default_secret_dir(environ))
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     try:
         return ExecutorConfig(
             listen=a.listen,
@@ -138,6 +152,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             metrics_listen=a.metrics_listen,
             auth_token_file=a.auth_token_file,
             auth_token=token,
+            secret_dir=a.secret_dir,
         )
     except ValueError as e:
         p.error(str(e))

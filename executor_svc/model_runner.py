@@ -78,9 +78,20 @@ class ModelRunner:
         self._last_failed_step_id = 0
 
     def reset(self) -> None:
-        """Forgets every request (a new scheduler connected)."""
+        """Forgets every request and zeroes all KV memory (a scheduler handshook).
+
+        Zeroing is what keeps one owner's data from the next: a plan may name
+        any block id and claim its tokens are computed, and attention would
+        read whatever is there. It costs one memset of the cache (2 GiB: ~0.6 s on
+        this project's busy 2-core CPU) per handshake; a scheduler never relies on KV
+        from before its handshake (after a loss it recomputes everything), so
+        even its own reconnect loses nothing by it.
+        """
         self.requests.clear()
         self._last_failed_step_id = 0
+        for k, v in self.kv_caches:
+            k.zero_()
+            v.zero_()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; on any failure drops the step's requests and reports it."""
@@ -111,6 +122,13 @@ class ModelRunner:
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
         """Updates request states from the plan; returns (state, num_scheduled) in batch order."""
+        cached = plan.cached_requests
+        lengths = {"request_ids": len(cached.request_ids), "new_block_ids": len(cached.new_block_ids),
+                   "num_computed_tokens": len(cached.num_computed_tokens),
+                   "num_scheduled_tokens": len(cached.num_scheduled_tokens)}
+        if len(set(lengths.values())) > 1:  # zip below would silently drop the extra entries
+            raise PlanError("cached_requests arrays must be aligned, one entry per request; got "
+                            + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         if plan.new_requests:
@@ -120,13 +138,17 @@ class ModelRunner:
         for new in plan.new_requests:
             if new.request_id in self.requests:
                 raise PlanError(f"new request {new.request_id!r} is already known")
+            # Checked here, not by the embedding lookup: a clear error, before any state changes on the device.
+            if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
+                bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
+                raise PlanError(f"new request {new.request_id!r}: token id {bad} is outside the vocabulary "
+                                f"(0..{self.vocab_size - 1})")
             state = RequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
                 list(new.block_ids), new.num_computed_tokens,
             )
             self.requests[new.request_id] = state
             batch.append((state, new.num_scheduled_tokens))
-        cached = plan.cached_requests
         for rid, new_blocks, num_computed, num_scheduled in zip(
             cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens
         ):

@@ -1,17 +1,23 @@
 """Compiles a native C source with the system compiler and loads it via ctypes.
 
 Each library is built once per version of its source and the local headers
-it includes, flags and CPU (-march=native)
-into a `build/` folder beside its source (or the temp dir when that is read
-only) and reused; ctypes releases the GIL for every call. Its functions'
-argument and result types come from native_signatures.py, the one
-declaration of each C signature on the Python side.
+it includes, flags and CPU (-march=native) and reused; ctypes releases the GIL
+for every call. Its functions' argument and result types come from
+native_signatures.py, the one declaration of each C signature on the Python
+side.
 
-The kernels need a C compiler with OpenMP (gcc). Without one, or when the
-build fails, `load_library` logs a warning and returns None, and the caller
-falls back to plain torch: slower, same results. PAGEDSERVE_NATIVE=require
-(read once, when this module is first imported; CI sets it) turns that into
-a NativeBuildError instead, so a broken kernel cannot pass as a fallback.
+The kernels need a C compiler with OpenMP (gcc). Without one, when the build
+fails or when the cache is not private, `load_library` logs a warning and
+returns None, and the caller falls back to plain torch: slower, same
+results. PAGEDSERVE_NATIVE=require (read once, when this module is first
+imported; CI sets it) turns that into a NativeBuildError instead, so a
+broken kernel cannot pass as a fallback.
+
+The cache is this user's own: $XDG_CACHE_HOME/pagedserve/native (by default
+~/.cache/pagedserve/native), created 0700 and refused when it is owned by
+someone else or open to group or others (shared/private_dir.py). A shared
+library is code this process runs: a directory another user can write to, a
+predictable /tmp path above all, would let them plant one.
 """
 from __future__ import annotations
 
@@ -22,12 +28,12 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 
 import structlog
 
 from executor_svc.native_signatures import SIGNATURES, bind
+from shared.private_dir import ensure_private_dir
 
 log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -64,15 +70,12 @@ def _cpu_signature() -> str:
     return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
-def _build_dir(source: str) -> str:
-    here = os.path.join(os.path.dirname(source), "build")
-    try:
-        os.makedirs(here, exist_ok=True)
-        if os.access(here, os.W_OK):
-            return here
-    except OSError:
-        pass
-    return os.path.join(tempfile.gettempdir(), "pagedserve-native")
+def cache_dir() -> str:
+    """Where compiled kernels live (not yet checked: see load_library). Read at
+    each call, like the temp dir it replaces: kernels load lazily, deep below
+    any configuration."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedserve", "native")
 
 
 def _source_and_headers(source: str) -> bytes:
@@ -113,8 +116,10 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
         return _unavailable(stem, "no C compiler on PATH")
     code = _source_and_headers(source)
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    folder = _build_dir(source)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        folder = ensure_private_dir(cache_dir())
+    except OSError as e:  # NotPrivateError is one: owned by another user, or open to others
+        return _unavailable(stem, f"kernel cache refused: {e}")
     lib_path = os.path.join(folder, f"{stem}-{key}.so")
     if not os.path.exists(lib_path):
         tmp = f"{lib_path}.{os.getpid()}.tmp"

@@ -1,8 +1,14 @@
 """The executor's gRPC edge: Handshake and the Step stream.
 
 Protobuf is converted to the step dataclasses here and nowhere deeper. The
-forward pass runs on one dedicated worker thread so the event loop stays free
-for health checks and the next plan's decoding.
+forward pass runs on one dedicated thread so the event loop stays free for
+health checks and the next plan's decoding.
+
+Every call but health must carry the executor's secret (shared/executor_secret.py):
+a peer without it is refused UNAUTHENTICATED before any handler runs. Among
+the peers that hold it, one scheduler at a time owns the executor (`_claim`);
+every handshake drops the request state and zeroes the KV memory
+(Worker.configure), so a new owner never reads what an earlier one computed.
 """
 from __future__ import annotations
 
@@ -28,13 +34,16 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 STREAM_CLOSE_GRACE_S = 2.0  # how long another scheduler's handshake waits for the owner's stream to close
 CLAIM_S = 10.0  # how long a handshake holds the executor before its Step stream opens
 SCHEDULER_ID_KEY = "pagedserve-scheduler-id"
+MAX_SCHEDULER_ID_CHARS = 128  # ids are logged: keep them short
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, state: Worker, metrics: ExecutorMetrics):
-        self._state = state
+    def __init__(self, worker: Worker, metrics: ExecutorMetrics):
+        self._worker = worker
         self._metrics = metrics
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # The worker's tensors are touched only from this one thread: steps and
+        # (re)configuration run in the order they were submitted.
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._instance_id = uuid.uuid4().hex
         # The scheduler this executor serves: claimed by a handshake, held while
         # its Step stream is open (or, before that stream opens, for CLAIM_S).
@@ -48,16 +57,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if request.block_size_tokens == 0 or request.block_size_tokens > 256:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}")
-        if not request.scheduler_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scheduler_id must be set")
+        sid = request.scheduler_id
+        if not sid or len(sid) > MAX_SCHEDULER_ID_CHARS or not sid.isprintable():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"scheduler_id must be 1..{MAX_SCHEDULER_ID_CHARS} printable characters")
         async with self._handshake_lock:
-            await self._claim(request.scheduler_id, context)
+            await self._claim(sid, context)
             loop = asyncio.get_running_loop()
+            # Drops all request state and zeroes the KV memory before this owner's first step.
             info = await loop.run_in_executor(
-                self._worker, self._state.configure, request.block_size_tokens,
+                self._forward_thread, self._worker.configure, request.block_size_tokens,
                 request.max_num_batched_tokens, request.max_num_seqs,
             )
-        log.info("handshake", block_size=request.block_size_tokens, num_kv_blocks=info.num_kv_blocks)
+        log.info("handshake", scheduler_id=sid, block_size=request.block_size_tokens, num_kv_blocks=info.num_kv_blocks)
         m, t = info.model, info.tokenizer
         return pb.HandshakeResponse(
             model=pb.ModelDescription(
@@ -97,6 +109,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if self._stream_replaced is not None or unopened:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     "another scheduler is connected to this executor (one executor serves one scheduler)")
+            # Worth an operator's look: a restarted scheduler, or someone else holding the secret.
+            log.warning("executor_owner_changed", previous_scheduler_id=self._owner, scheduler_id=scheduler_id,
+                        kv_cache="zeroed before the new owner's first step")
         self._owner, self._claimed_at = scheduler_id, time.monotonic()
 
     async def _end_open_stream(self) -> None:
@@ -106,7 +121,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     async def Step(self, request_iterator, context):
         scheduler_id = dict(context.invocation_metadata()).get(SCHEDULER_ID_KEY, "")
-        if not self._state.configured or not scheduler_id or scheduler_id != self._owner:
+        if not self._worker.configured or not scheduler_id or scheduler_id != self._owner:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "Step needs a handshake from the same scheduler first (one executor serves one scheduler)")
         if self._stream_replaced is not None:  # the owner's old stream is still open: end it first
@@ -128,7 +143,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 if msg is grpc.aio.EOF:
                     return
                 plan = plan_from_proto(msg)
-                result = await loop.run_in_executor(self._worker, self._state.runner.execute, plan)
+                result = await loop.run_in_executor(self._forward_thread, self._worker.runner.execute, plan)
                 self._metrics.observe(plan, result)
                 await context.write(result_to_proto(result))
         finally:
@@ -138,10 +153,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._stream_closed.set()
 
 
-async def serve(state: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str = "") -> tuple[grpc.aio.Server, health.HealthServicer]:
-    interceptors = [BearerAuthInterceptor((auth_token,))] if auth_token else []
+async def serve(worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str) -> tuple[grpc.aio.Server, health.HealthServicer]:
+    """Serves `worker` on `listen`; every call but health must present `auth_token`."""
+    if not auth_token:
+        raise ValueError("the executor serves only a scheduler that presents its secret: auth_token is required")
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=[BearerAuthInterceptor((auth_token,))],
         options=[
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 256 << 20),
@@ -149,7 +166,7 @@ async def serve(state: Worker, listen: str, metrics: ExecutorMetrics, auth_token
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ],
     )
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(state, metrics), server)
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -136,7 +136,11 @@ class Worker:
                               self.max_model_len, self.config.gpu_memory_utilization, self.tp)
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
-        """Sizes and allocates KV memory for `block_size`; drops all request state."""
+        """Sizes and allocates KV memory for `block_size`; drops all request state.
+
+        KV memory is either new (zeros) or reused and zeroed (ModelRunner.reset):
+        after a handshake nothing computed before it can be read back.
+        """
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(("configure", block_size, max_num_batched_tokens, max_num_seqs))
         # On CUDA the size also depends on the largest step the scheduler may send.

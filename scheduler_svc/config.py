@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
+from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
 from shared.net import validate_address
 
 
@@ -28,7 +29,10 @@ class SchedulerServiceConfig:
     max_message_bytes: int = 4 << 20  # gRPC receive limit for the public API
     executor_recovery_timeout_s: float = 30.0  # clients wait this long for a lost executor
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
-    executor_auth_token: str = ""  # shared secret presented to the executor
+    # The secret presented to the executor: the operator's (--executor-auth-token[-file]),
+    # else this installation's in secret_dir. parse_config always sets it.
+    executor_auth_token: str = ""
+    secret_dir: str = ""  # where this installation's executor secret lives; "" = $XDG_STATE_HOME/pagedserve
     auth_tokens: tuple[str, ...] = ()  # accepted public bearer tokens; empty = no auth
     tls_cert: str = ""
     tls_key: str = ""
@@ -85,8 +89,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="Largest accepted request message.")
     p.add_argument("--executor-recovery-timeout", type=float, default=d.executor_recovery_timeout_s, help="Seconds clients wait for a lost executor before UNAVAILABLE.")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds in-flight requests get on SIGTERM.")
-    p.add_argument("--executor-auth-token-file", default="", help="File with the executor's shared secret.")
-    p.add_argument("--executor-auth-token", default="", help="The executor's shared secret (prefer the file).")
+    p.add_argument("--executor-auth-token-file", default="",
+                   help="File with the executor's secret. Without it, this installation's secret in --secret-dir is used.")
+    p.add_argument("--executor-auth-token", default="", help="The executor's secret (prefer the file).")
+    p.add_argument("--secret-dir", default=d.secret_dir,
+                   help="Private directory (0700) of this installation's executor secret, shared with the executor. "
+                        "Default: $XDG_STATE_HOME/pagedserve (~/.local/state/pagedserve).")
     p.add_argument("--auth-tokens-file", default="", help="File of accepted bearer tokens, one per line.")
     p.add_argument("--auth-token", default="", help="One accepted bearer token (prefer the file).")
     p.add_argument("--tls-cert", default="", help="PEM certificate chain for the public API.")
@@ -98,9 +106,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
     a = p.parse_args(argv)
-    executor_token = a.executor_auth_token
-    if a.executor_auth_token_file:
-        executor_token = _read_tokens(a.executor_auth_token_file)[0]
+    try:
+        executor_token = read_secret_file(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
+        executor_token = executor_token or installation_secret(a.secret_dir or default_secret_dir(environ))
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     tokens = _read_tokens(a.auth_tokens_file) if a.auth_tokens_file else ()
     if a.auth_token:
         tokens += (a.auth_token,)
@@ -113,7 +123,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             hash_algo=a.hash_algo, max_waiting=a.max_waiting, max_n=a.max_n, max_stop_strings=a.max_stop_strings,
             max_stop_string_bytes=a.max_stop_string_bytes, max_message_bytes=a.max_message_bytes,
             executor_recovery_timeout_s=a.executor_recovery_timeout, drain_timeout_s=a.drain_timeout,
-            executor_auth_token=executor_token, auth_tokens=tokens, tls_cert=a.tls_cert, tls_key=a.tls_key,
+            executor_auth_token=executor_token, secret_dir=a.secret_dir, auth_tokens=tokens, tls_cert=a.tls_cert, tls_key=a.tls_key,
             tls_client_ca=a.tls_client_ca, keepalive_time_s=a.keepalive_time, max_connection_age_s=a.max_connection_age,
             log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
         )

@@ -24,12 +24,13 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 class ExecutorClient:
     """The gRPC `ExecutorConnection`."""
 
-    def __init__(self, address: str, auth_token: str = ""):
+    def __init__(self, address: str, auth_token: str):
         self._address = address
         # One id per scheduler process: the executor lets the same scheduler reconnect at once
         # and refuses a different one while this one holds it.
         self.scheduler_id = uuid.uuid4().hex
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        # The executor refuses every call without its secret (shared/executor_secret.py).
+        self._metadata = (("authorization", f"Bearer {auth_token}"),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExecutorStub | None = None
         self._call = None
@@ -94,7 +95,10 @@ class ExecutorClient:
             raise ExecutorLost(f"step stream to {self._address} broke: {e}") from e
         if msg is grpc.aio.EOF:
             raise ExecutorLost(f"executor at {self._address} closed the step stream")
-        result = result_from_proto(msg)
+        try:
+            result = result_from_proto(msg)
+        except ValueError as e:  # a desync too: start over
+            raise ExecutorLost(f"executor at {self._address} sent a malformed result: {e}") from e
         if result.step_id != plan.step_id:  # a desync: start over as after a loss
             raise ExecutorLost(f"executor answered step {result.step_id} to plan {plan.step_id}")
         return result

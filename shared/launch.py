@@ -10,6 +10,10 @@ different meanings, so `child_envs` routes their variables:
     PAGEDSERVE_EXECUTOR_METRICS_LISTEN  the executor's /metrics
     PAGEDSERVE_AUTH_TOKEN               a client bearer token (the scheduler's)
     PAGEDSERVE_EXECUTOR_AUTH_TOKEN[_FILE]  the internal hop's secret: both get it
+
+Without that secret both processes use this installation's, generated on
+first start in the same private directory (PAGEDSERVE_SECRET_DIR, default
+~/.local/state/pagedserve; shared/executor_secret.py): nothing to configure.
 """
 from __future__ import annotations
 

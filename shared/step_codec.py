@@ -1,7 +1,11 @@
 """Converts the step protocol between dataclasses and protobuf.
 
 Used only at the gRPC edges of the two services: the scheduler encodes plans
-and decodes results, the executor does the reverse.
+and decodes results, the executor does the reverse. Decoding is faithful:
+arrays keep their lengths, and a StepResult whose arrays are not aligned is
+refused (ValueError). A plan's cached_requests arrays are checked where they
+are applied (ModelRunner._apply_plan), so a malformed plan fails its step the
+way every other inconsistent plan does.
 """
 from __future__ import annotations
 
@@ -126,6 +130,10 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
 
 
 def result_from_proto(msg: pb.StepResult) -> StepResult:
+    n = len(msg.request_ids)
+    if len(msg.sampled_token_ids) != n or (msg.logprobs and len(msg.logprobs) != n):
+        raise ValueError(f"StepResult {msg.step_id}: {n} request_ids, {len(msg.sampled_token_ids)} "
+                         f"sampled_token_ids and {len(msg.logprobs)} logprobs entries (they must be aligned)")
     sampled = dict(zip(msg.request_ids, msg.sampled_token_ids))
     logprobs = {}
     if msg.logprobs:

@@ -1,7 +1,9 @@
 """Starts real executor and scheduler processes for end-to-end tests.
 
 The internal hop uses a Unix socket in a temporary directory and the public
-API a free loopback port, so parallel test runs never collide.
+API a free loopback port, so parallel test runs never collide. Both processes
+find their shared executor secret in that directory too (PAGEDSERVE_SECRET_DIR),
+not in the user's own state directory.
 """
 from __future__ import annotations
 
@@ -56,14 +58,21 @@ class Servers:
     def __post_init__(self):
         self.tmp = tempfile.mkdtemp(prefix="pagedserve-")
         self.executor_addr = f"unix://{self.tmp}/executor.sock"
+        self.secret_dir = os.path.join(self.tmp, "secret")
         self.public_addr = f"127.0.0.1:{free_port()}"
         self.executor: subprocess.Popen | None = None
         self.scheduler: subprocess.Popen | None = None
 
     def _spawn(self, module: str, args: list[str], log_name: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_SECRET_DIR": self.secret_dir, **self.env}
         log = open(os.path.join(self.tmp, log_name), "ab")
         return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def executor_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a hand-driven call to the executor needs: its secret, as the scheduler presents it."""
+        from shared.executor_secret import installation_secret
+
+        return (("authorization", f"Bearer {installation_secret(self.secret_dir)}"),)
 
     def start_executor(self) -> None:
         self.executor = self._spawn("executor_svc", ["--listen", self.executor_addr, *self.executor_args], "executor.log")

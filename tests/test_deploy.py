@@ -76,6 +76,17 @@ def test_executor_is_never_published_and_the_scheduler_is():
     assert any("50051" in str(p) for p in services["scheduler"]["ports"])
 
 
+def test_executor_and_scheduler_share_the_executor_secret_and_nobody_else_mounts_it():
+    services = load("docker-compose.yml")["services"]
+    dirs = {svc: services[svc]["environment"].get("PAGEDSERVE_SECRET_DIR") for svc in ("executor", "scheduler")}
+    assert len(set(dirs.values())) == 1 and None not in dirs.values()
+    secret_dir = dirs["executor"]
+    mounts = {svc: [v for v in spec.get("volumes", []) if secret_dir.startswith(v.split(":")[1] + "/")]
+              for svc, spec in services.items()}
+    assert mounts["executor"] == mounts["scheduler"] and len(mounts["executor"]) == 1 and not mounts["gateway"]
+    assert mounts["executor"][0].split(":")[0] in load("docker-compose.yml")["volumes"]  # a named volume
+
+
 def test_dockerfile_installs_with_make_install():
     with open(os.path.join(REPO, "Dockerfile")) as f:
         runs = [line for line in f if line.startswith("RUN ")]

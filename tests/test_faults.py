@@ -2,6 +2,7 @@
 an executor that comes back different; a second scheduler on one executor."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -159,12 +160,13 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
     s.start_executor()
     try:
         wait_for(lambda: health_status(s.executor_addr) == SERVING, 180, "executor serving")
+        auth = s.executor_metadata()
         with grpc.insecure_channel(s.executor_addr) as ch:
             stub = epb_grpc.ExecutorStub(ch)
 
             def handshake(sid):
                 return stub.Handshake(epb.HandshakeRequest(block_size_tokens=16, max_num_batched_tokens=64,
-                                                           max_num_seqs=4, scheduler_id=sid), timeout=30)
+                                                           max_num_seqs=4, scheduler_id=sid), timeout=30, metadata=auth)
 
             def refused(call) -> bool:
                 try:
@@ -178,24 +180,26 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
             with ThreadPoolExecutor(2) as pool:
                 assert all(pool.map(refused, [lambda: handshake("B"), lambda: handshake("C")]))
             plans = __import__("queue").Queue()
-            stream_a = stub.Step(iter(plans.get, None), metadata=(("pagedserve-scheduler-id", "A"),))
+            stream_a = stub.Step(iter(plans.get, None), metadata=auth + (("pagedserve-scheduler-id", "A"),))
             plans.put(epb.StepPlan(step_id=1))
             assert next(stream_a).step_id == 1
             t0 = time.monotonic()
             assert refused(lambda: handshake("B"))  # after the 2 s grace: A's stream stays open
             assert time.monotonic() - t0 >= 1.5
             assert refused(lambda: list(stub.Step(iter([epb.StepPlan(step_id=1)]),
-                                                  metadata=(("pagedserve-scheduler-id", "B"),), timeout=10)))
+                                                  metadata=auth + (("pagedserve-scheduler-id", "B"),), timeout=10)))
             # A reconnects (its old stream possibly half-open): at once, and the old stream ends.
             t0 = time.monotonic()
             handshake("A")
             assert time.monotonic() - t0 < 1.5
             with pytest.raises(grpc.RpcError):
                 next(stream_a)
-            stream_a2 = stub.Step(iter([epb.StepPlan(step_id=2)]), metadata=(("pagedserve-scheduler-id", "A"),))
+            stream_a2 = stub.Step(iter([epb.StepPlan(step_id=2)]), metadata=auth + (("pagedserve-scheduler-id", "A"),))
             assert [r.step_id for r in stream_a2] == [2]
-            # A's stream closed: B may take over.
+            # A's stream closed: B may take over, and the change of owner is logged as such, with both ids.
             handshake("B")
             plans.put(None)
+            changes = [json.loads(line) for line in s.logs("executor").splitlines() if "executor_owner_changed" in line]
+            assert [(c["level"], c["previous_scheduler_id"], c["scheduler_id"]) for c in changes] == [("warning", "A", "B")]
     finally:
         s.stop()
