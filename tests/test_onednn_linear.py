@@ -74,12 +74,12 @@ def test_worker_on_a_fast_bf16_cpu_widens_and_adds_onednn(tmp_path, monkeypatch)
     """--dtype auto on a CPU reporting native bf16 (forced): a widened model
     whose linears also hold oneDNN weights from the calibrated row count, and
     whose prefill logits agree with the widened model without them."""
+    from model_utils import PagedEngine, save_tiny_hf_model
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
     from executor_svc import worker as worker_mod
     from executor_svc.config import ExecutorConfig
-    from model_utils import PagedEngine, save_tiny_hf_model
 
     save_tiny_hf_model("llama_tied", str(tmp_path))
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
