@@ -62,14 +62,26 @@ def to_response(request_id: str, out: SampleOutput) -> pb.GenerateResponse:
     return msg
 
 
-def tokenize(tok, request: pb.TokenizeRequest, special_tokens_in_content: bool) -> pb.TokenizeResponse:
-    """The Tokenize RPC's work (may run in a worker thread)."""
+_CHUNK = 1 << 15  # elements per piece of a large response: a few ms of GIL each
+
+
+def tokenize(tok, request: pb.TokenizeRequest, special_tokens_in_content: bool) -> pb.TokenizeResponse | bytes:
+    """The Tokenize RPC's work (may run in a worker thread).
+
+    A large answer comes back serialized, in pieces (serialized messages
+    concatenate to their merge): building and serializing millions of elements
+    in one C call would hold the GIL, and so the event loop, for most of a
+    second. shared.grpc_codec.CodecInterceptor passes the bytes through.
+    """
     if request.WhichOneof("input") == "chat":
         ids = render_chat(tok, request.chat, "chat", special_tokens_in_content)
     else:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = tok.encode(request.text, add_special_tokens=add)
-    return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
+    if len(ids) <= _CHUNK:
+        return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
+    return b"".join(pb.TokenizeResponse(token_ids=ids[i:i + _CHUNK], tokens=tok.id_to_token(ids[i:i + _CHUNK])).SerializeToString()
+                    for i in range(0, len(ids), _CHUNK))
 
 
 def detokenize(tok, vocab_size: int, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
@@ -141,7 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if finished < handle.n:
                 self.engine.abort(handle)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse | bytes:
         await self._require_engine(context)
         size = chat_work_size(request.chat) if request.WhichOneof("input") == "chat" else len(request.text)
         try:

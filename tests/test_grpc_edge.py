@@ -16,7 +16,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.config import parse_config
 from shared.grpc_auth import BearerAuthInterceptor, TokenTable
-from shared.grpc_decode import DecodeErrorInterceptor
+from shared.grpc_codec import CodecInterceptor
 
 TOKEN, ADMIN = "user-token-4f2a", "admin-token-9e1c"
 TOKENIZE, GENERATE = "/pagedserve.v1.Generation/Tokenize", "/pagedserve.v1.Generation/Generate"
@@ -27,14 +27,16 @@ C = grpc.StatusCode
 
 class Echo(pb_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
+        if request.text == "pre-serialized":  # two serialized parts: their concatenation is their merge
+            return pb.TokenizeResponse(token_ids=[1]).SerializeToString() + pb.TokenizeResponse(token_ids=[2]).SerializeToString()
         return pb.TokenizeResponse(token_ids=[len(request.text)])
 
     async def Generate(self, request, context):
         yield pb.GenerateResponse(request_id=request.request_id)
 
 
-async def call(method: str, raw: bytes, metadata=(), stream: bool = False) -> grpc.StatusCode:
-    server = grpc.aio.server(interceptors=[BearerAuthInterceptor(TokenTable((TOKEN, ADMIN), (ADMIN,))), DecodeErrorInterceptor()])
+async def call(method: str, raw: bytes, metadata=(), stream: bool = False, answers: list | None = None) -> grpc.StatusCode:
+    server = grpc.aio.server(interceptors=[BearerAuthInterceptor(TokenTable((TOKEN, ADMIN), (ADMIN,))), CodecInterceptor()])
     pb_grpc.add_GenerationServicer_to_server(Echo(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -45,7 +47,9 @@ async def call(method: str, raw: bytes, metadata=(), stream: bool = False) -> gr
                 if stream:
                     [_ async for _ in channel.unary_stream(method)(raw, metadata=metadata, timeout=10)]
                 else:
-                    await channel.unary_unary(method)(raw, metadata=metadata, timeout=10)
+                    answer = await channel.unary_unary(method)(raw, metadata=metadata, timeout=10)
+                    if answers is not None:
+                        answers.append(answer)
                 return C.OK
             except grpc.aio.AioRpcError as e:
                 return e.code()
@@ -91,6 +95,13 @@ def test_health_stays_open():
 def test_corrupt_messages_are_invalid_argument(method, stream, raw):
     assert code(method, raw, bearer(f"Bearer {TOKEN}"), stream) == C.INVALID_ARGUMENT
     assert code(method, raw, stream=stream) == C.UNAUTHENTICATED  # an unauthenticated message is never parsed
+
+
+def test_a_handler_may_answer_with_serialized_bytes():
+    answers = []
+    req = pb.TokenizeRequest(text="pre-serialized").SerializeToString()
+    assert asyncio.run(call(TOKENIZE, req, bearer(f"Bearer {TOKEN}"), answers=answers)) == C.OK
+    assert list(pb.TokenizeResponse.FromString(answers[0]).token_ids) == [1, 2]
 
 
 def test_token_table_names_callers_without_revealing_tokens():

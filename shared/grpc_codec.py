@@ -1,12 +1,19 @@
-"""Corrupt request messages get INVALID_ARGUMENT, not UNKNOWN.
+"""How messages cross the gRPC edge: corrupt requests get INVALID_ARGUMENT, not
+UNKNOWN, and a handler may answer with an already serialized response.
 
-grpcio turns an exception raised by a request deserializer (protobuf's
+Requests. grpcio turns an exception raised by a request deserializer (protobuf's
 DecodeError: bad wire format, a string field that is not UTF-8) into UNKNOWN
 "Unexpected <class DecodeError>". That is the client's fault, so this
 interceptor wraps each unary-request method's deserializer: a message that does
 not parse becomes a marker, and the method answers INVALID_ARGUMENT before the
 handler runs. Streaming-request methods are left as they are (handlers may read
 them with `context.read()`, which an interceptor cannot reach).
+
+Responses. grpcio serializes a handler's response on the event loop, in one C
+call that holds the GIL: for a response of millions of elements that stalls
+every other call for a large fraction of a second. A handler may instead
+return `bytes` it serialized itself (in a worker thread, in chunks: the
+concatenation of serialized messages is their merge), passed through as is.
 """
 from __future__ import annotations
 
@@ -58,7 +65,17 @@ def _stream_response(behavior):
     return _unary_response(behavior)  # writes with context.write and returns
 
 
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+def _passing_bytes(serializer):
+    if serializer is None:
+        return None
+
+    def serialize(response) -> bytes:
+        return response if type(response) is bytes else serializer(response)
+
+    return serialize
+
+
+class CodecInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
@@ -67,4 +84,5 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 _stream_response(handler.unary_stream), deserialize, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(_unary_response(handler.unary_unary), deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            _unary_response(handler.unary_unary), deserialize, _passing_bytes(handler.response_serializer))
