@@ -11,8 +11,8 @@ reconnects, and carries on; clients only see a pause. Past the recovery
 timeout their requests fail with UNAVAILABLE.
 
 A hung executor (stopped, deadlocked, wedged on a device) breaks no stream, so
-a step watchdog stands in: a plan not sent, or a result not received, within
---step-timeout counts as a loss like any other. The hung stream is cancelled
+a step watchdog (step_watchdog.py) stands in: a plan not taken, or a result
+not received, within --step-timeout counts as a loss like any other. The hung stream is cancelled
 and never read again, so whatever it answers if it wakes up is discarded;
 the executor serves the new stream only after a new handshake.
 """
@@ -32,6 +32,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import SchedulerConfig
+from scheduler_svc.step_watchdog import StepWatchdog
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
@@ -143,6 +144,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
         self._on_connection_change = []  # callbacks(connected: bool)
+        self._watchdog = StepWatchdog(config.step_timeout_s)
         self.metrics = SchedulerMetrics(self)
 
     # ---- start-up and recovery -------------------------------------------------
@@ -380,6 +382,13 @@ class Engine:
             executor:   | step N      | step N+1     | step N+2 ...
             scheduler:   plan N+1 ^     ^ apply N, plan N+2
         """
+        self._watchdog.start()
+        try:
+            await self._loop()
+        finally:
+            self._watchdog.stop()
+
+    async def _loop(self) -> None:
         sched = self.scheduler
         depth = 2 if self.config.overlap_scheduling else 1
         in_flight: collections.deque[StepPlan] = collections.deque()
@@ -418,21 +427,29 @@ class Engine:
                 in_flight.clear()
                 await self._recover(str(e))
 
-    # The step watchdog: asyncio.timeout costs one timer per call, no task.
+    # Both under the step watchdog: a wait longer than --step-timeout raises ExecutorHung.
 
     async def _send(self, plan: StepPlan) -> None:
+        self._watchdog.arm()
         try:
-            async with asyncio.timeout(self.config.step_timeout_s):
-                await self.client.send(plan)
-        except TimeoutError:
+            await self.client.send(plan)
+        except asyncio.CancelledError:
+            if not self._watchdog.claim():
+                raise
             raise self._hung(plan, "taken") from None
+        finally:
+            self._watchdog.disarm()
 
     async def _receive(self, plan: StepPlan) -> StepResult:
+        self._watchdog.arm()
         try:
-            async with asyncio.timeout(self.config.step_timeout_s):
-                return await self.client.receive(plan)
-        except TimeoutError:
+            return await self.client.receive(plan)
+        except asyncio.CancelledError:
+            if not self._watchdog.claim():
+                raise
             raise self._hung(plan, "answered") from None
+        finally:
+            self._watchdog.disarm()
 
     def _hung(self, plan: StepPlan, what: str) -> ExecutorHung:
         return ExecutorHung(f"step {plan.step_id} not {what} within --step-timeout {self.config.step_timeout_s:g} s")
