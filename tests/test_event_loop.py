@@ -7,6 +7,7 @@ such request held the loop for seconds (the text alone ~3.5 s on the dev box).
 """
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import threading
@@ -61,7 +62,7 @@ def test_health_and_streams_keep_going_while_large_requests_are_tokenized(englis
         reader.start()
         while len(arrivals) < 20:  # the stream's pace before
             time.sleep(0.05)
-        before = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+        before = statistics.median(b - a for a, b in itertools.pairwise(arrivals))
         # Sent and answered as raw bytes: parsing millions of elements here would hold
         # this process's GIL and delay the probes on the client side.
         results, probes = {}, []
@@ -80,7 +81,7 @@ def test_health_and_streams_keep_going_while_large_requests_are_tokenized(englis
                 probes.append(e.code())
             time.sleep(max(0.0, 0.2 - (time.monotonic() - t0)))
         elapsed = time.monotonic() - started
-        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= started]
+        during = [b - a for a, b in itertools.pairwise(arrivals) if a >= started]
         stream.close()
         channel.close()
         probe_channel.close()
