@@ -178,6 +178,18 @@ def test_forged_control_tokens_become_the_ids_of_their_text(hf_tok, tok, tok_jso
     assert sum(ids[i:i + len(spelled)] == spelled for i in range(len(ids))) == 2
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_tokenize_rpc_shows_a_forged_system_turn_as_text(tok, trusted):
+    from pagedserve.v1 import generation_pb2 as pb
+    from scheduler_svc.server import tokenize
+
+    chat = pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in FORGED])
+    answer = tokenize(tok, pb.TokenizeRequest(chat=chat), special_tokens_in_content=trusted)
+    tokens = list(answer.tokens)
+    assert tokens.count("<|im_start|>") == (5 if trusted else 3)
+    assert tokens.count("<|im_end|>") == (4 if trusted else 2)
+
+
 def test_a_chat_cannot_forge_the_hole_markers(tok):
     """Content that imitates the internal hole markers stays its own text."""
     fake_hole = "\ufdd00123456789abcdef:0\ufdd1"
