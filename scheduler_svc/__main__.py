@@ -38,7 +38,9 @@ async def run(config) -> int:
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient, ExecutorLost, ExecutorRefused
     from scheduler_svc.server import SERVICE_NAME, GenerationServicer
-    from shared.grpc_auth import BearerAuthInterceptor
+    from scheduler_svc.text_work import TextWorkers
+    from shared.grpc_auth import BearerAuthInterceptor, TokenTable
+    from shared.grpc_codec import CodecInterceptor
 
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -52,10 +54,13 @@ async def run(config) -> int:
             ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
             ("grpc.max_connection_age_grace_ms", int(config.drain_timeout_s * 1000)),
         ]
-    interceptors = [BearerAuthInterceptor(config.auth_tokens)] if config.auth_tokens else []
+    tokens = TokenTable(config.auth_tokens, config.admin_tokens) if config.auth_tokens else None
+    # Authentication first: a refused call's message is never parsed.
+    interceptors = ([BearerAuthInterceptor(tokens)] if tokens else []) + [CodecInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     engine = Engine(config, ExecutorClient(config.executor, config.executor_auth_token))
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, config), server)
+    workers = TextWorkers()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, config, tokens, workers), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
@@ -116,6 +121,7 @@ async def run(config) -> int:
     if loop_task is not None:
         loop_task.cancel()
     await engine.client.close()
+    workers.close()
     log.info("stopped")
     return 1 if crashed else 0
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
-from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
+from shared.executor_secret import default_secret_dir, installation_secret
 from shared.net import validate_address
 
 
@@ -28,12 +28,15 @@ class SchedulerServiceConfig:
     max_stop_string_bytes: int = 256
     max_message_bytes: int = 4 << 20  # gRPC receive limit for the public API
     executor_recovery_timeout_s: float = 30.0  # clients wait this long for a lost executor
+    step_timeout_s: float = 60.0  # a step unanswered this long means the executor is lost (hung)
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     # The secret presented to the executor: the operator's (--executor-auth-token[-file]),
     # else this installation's in secret_dir. parse_config always sets it.
     executor_auth_token: str = ""
     secret_dir: str = ""  # where this installation's executor secret lives; "" = $XDG_STATE_HOME/pagedserve
     auth_tokens: tuple[str, ...] = ()  # accepted public bearer tokens; empty = no auth
+    admin_tokens: tuple[str, ...] = ()  # the subset of auth_tokens that may see every caller's requests
+    allow_special_tokens_in_content: bool = False  # chat content may write control tokens (trusted clients only)
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -58,13 +61,52 @@ class SchedulerServiceConfig:
             raise ValueError("--max-waiting and --max-n must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if not self.step_timeout_s > 0 or not self.executor_recovery_timeout_s >= 0:
+            raise ValueError("--step-timeout must be > 0 and --executor-recovery-timeout >= 0")
+        if not set(self.admin_tokens) <= set(self.auth_tokens):
+            raise ValueError("every admin token must also be an accepted token")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
 
-def _read_tokens(path: str) -> tuple[str, ...]:
-    with open(path, encoding="utf-8") as f:
-        return tuple(line.strip() for line in f if line.strip())
+class TokenFileError(ValueError):
+    """A token file that would weaken authentication if used: the scheduler refuses to start."""
+
+
+def _read_lines(path: str, flag: str) -> list[tuple[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line.strip()) for n, line in enumerate(f, 1)]
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenFileError(f"{flag} {path}: cannot read it ({e.__class__.__name__}: {getattr(e, 'strerror', None) or e})") from e
+    lines = [(n, line) for n, line in lines if line and not line.startswith("#")]
+    if not lines:
+        raise TokenFileError(f"{flag} {path}: the file holds no token; refusing to start")
+    return lines
+
+
+def read_auth_tokens(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tokens, admin tokens) from a tokens file: one `TOKEN [admin]` per line, `#` comments.
+
+    A plain line is a normal token, as before admin marks existed. Anything else
+    on a line is refused (naming the line, never the token).
+    """
+    tokens, admins = [], []
+    for n, line in _read_lines(path, "--auth-tokens-file"):
+        fields = line.split()
+        if len(fields) > 2 or (len(fields) == 2 and fields[1] != "admin"):
+            raise TokenFileError(f"--auth-tokens-file {path} line {n}: expected `TOKEN` or `TOKEN admin`")
+        tokens.append(fields[0])
+        if len(fields) == 2:
+            admins.append(fields[0])
+    return tuple(tokens), tuple(admins)
+
+
+def read_executor_token(path: str) -> str:
+    lines = _read_lines(path, "--executor-auth-token-file")
+    if len(lines) > 1 or len(lines[0][1].split()) != 1:
+        raise TokenFileError(f"--executor-auth-token-file {path}: expected exactly one token on one line")
+    return lines[0][1]
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SchedulerServiceConfig:
@@ -88,6 +130,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--max-stop-string-bytes", type=int, default=d.max_stop_string_bytes)
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="Largest accepted request message.")
     p.add_argument("--executor-recovery-timeout", type=float, default=d.executor_recovery_timeout_s, help="Seconds clients wait for a lost executor before UNAVAILABLE.")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help="Seconds a step may go unanswered before the executor counts as lost (hung); size it above the slowest legitimate step.")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds in-flight requests get on SIGTERM.")
     p.add_argument("--executor-auth-token-file", default="",
                    help="File with the executor's secret. Without it, this installation's secret in --secret-dir is used.")
@@ -95,8 +139,10 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--secret-dir", default=d.secret_dir,
                    help="Private directory (0700) of this installation's executor secret, shared with the executor. "
                         "Default: $XDG_STATE_HOME/pagedserve (~/.local/state/pagedserve).")
-    p.add_argument("--auth-tokens-file", default="", help="File of accepted bearer tokens, one per line.")
+    p.add_argument("--auth-tokens-file", default="", help="File of accepted bearer tokens: `TOKEN` or `TOKEN admin` per line, # comments (docs/hardening.md).")
     p.add_argument("--auth-token", default="", help="One accepted bearer token (prefer the file).")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true", default=False,
+                   help="Let chat message content write control tokens such as <|im_start|> (trusted clients only; else they are text).")
     p.add_argument("--tls-cert", default="", help="PEM certificate chain for the public API.")
     p.add_argument("--tls-key", default="", help="PEM private key for the public API.")
     p.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates (mutual TLS).")
@@ -107,11 +153,14 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
     a = p.parse_args(argv)
     try:
-        executor_token = read_secret_file(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
+        executor_token = read_executor_token(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
+        tokens, admins = read_auth_tokens(a.auth_tokens_file) if a.auth_tokens_file else ((), ())
+    except TokenFileError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")  # one line, no usage text: the flags were fine, the file is not
+    try:
         executor_token = executor_token or installation_secret(a.secret_dir or default_secret_dir(environ))
     except (OSError, ValueError) as e:
-        p.error(str(e))
-    tokens = _read_tokens(a.auth_tokens_file) if a.auth_tokens_file else ()
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if a.auth_token:
         tokens += (a.auth_token,)
     try:
@@ -122,8 +171,10 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             overlap_scheduling=not a.no_overlap_scheduling,
             hash_algo=a.hash_algo, max_waiting=a.max_waiting, max_n=a.max_n, max_stop_strings=a.max_stop_strings,
             max_stop_string_bytes=a.max_stop_string_bytes, max_message_bytes=a.max_message_bytes,
-            executor_recovery_timeout_s=a.executor_recovery_timeout, drain_timeout_s=a.drain_timeout,
-            executor_auth_token=executor_token, secret_dir=a.secret_dir, auth_tokens=tokens, tls_cert=a.tls_cert, tls_key=a.tls_key,
+            executor_recovery_timeout_s=a.executor_recovery_timeout, step_timeout_s=a.step_timeout,
+            drain_timeout_s=a.drain_timeout, executor_auth_token=executor_token, secret_dir=a.secret_dir,
+            auth_tokens=tokens, admin_tokens=admins,
+            allow_special_tokens_in_content=a.allow_special_tokens_in_content, tls_cert=a.tls_cert, tls_key=a.tls_key,
             tls_client_ca=a.tls_client_ca, keepalive_time_s=a.keepalive_time, max_connection_age_s=a.max_connection_age,
             log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
         )

@@ -9,6 +9,12 @@ Executor loss: the scheduler holds every request's tokens, so when the Step
 stream breaks it resets all running requests to "recompute from scratch",
 reconnects, and carries on; clients only see a pause. Past the recovery
 timeout their requests fail with UNAVAILABLE.
+
+A hung executor (stopped, deadlocked, wedged on a device) breaks no stream, so
+a step watchdog (step_watchdog.py) stands in: a plan not taken, or a result
+not received, within --step-timeout counts as a loss like any other. The hung stream is cancelled
+and never read again, so whatever it answers if it wakes up is discarded;
+the executor serves the new stream only after a new handshake.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import SchedulerConfig
+from scheduler_svc.step_watchdog import StepWatchdog
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
@@ -49,6 +56,10 @@ _FINISH = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+
+
+class ExecutorHung(ExecutorLost):
+    """A step went unanswered for longer than --step-timeout."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -116,6 +127,7 @@ class RequestHandle:
     num_open: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0  # over all samples, for the request's log line
+    owner: str = ""  # the caller that submitted it (shared.grpc_auth.Caller.name)
 
 
 class Engine:
@@ -132,6 +144,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
         self._on_connection_change = []  # callbacks(connected: bool)
+        self._watchdog = StepWatchdog(config.step_timeout_s)
         self.metrics = SchedulerMetrics(self)
 
     # ---- start-up and recovery -------------------------------------------------
@@ -220,7 +233,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def submit(self, gen: GenerationInput) -> RequestHandle:
+    def submit(self, gen: GenerationInput, owner: str = "") -> RequestHandle:
         if self.draining or not self.connected:
             raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
         sample_ids = [gen.request_id] if gen.n == 1 else [f"{gen.request_id}#{i}" for i in range(gen.n)]
@@ -231,7 +244,7 @@ class Engine:
             raise KeyError(gen.request_id)
         if len(self.scheduler.waiting) + gen.n > self.config.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (limit --max-waiting {self.config.max_waiting})")
-        handle = RequestHandle(gen.request_id, gen.n, prompt_tokens=len(gen.prompt_token_ids))
+        handle = RequestHandle(gen.request_id, gen.n, prompt_tokens=len(gen.prompt_token_ids), owner=owner)
         eos = frozenset(self.info.eos_token_ids)
         masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
         for i, sample_id in enumerate(sample_ids):
@@ -251,6 +264,13 @@ class Engine:
         self._handles[gen.request_id] = handle
         self._wakeup.set()
         return handle
+
+    def live_requests(self, owner: str | None = None) -> list[Request]:
+        """The scheduler's live requests (running, then waiting); only `owner`'s unless None."""
+        live = self.scheduler.live_requests()
+        if owner is None:
+            return live
+        return [r for r in live if (s := self._samples.get(r.request_id)) is not None and s.handle.owner == owner]
 
     def abort(self, handle: RequestHandle) -> None:
         """Client went away: free every open sample's blocks now."""
@@ -362,6 +382,13 @@ class Engine:
             executor:   | step N      | step N+1     | step N+2 ...
             scheduler:   plan N+1 ^     ^ apply N, plan N+2
         """
+        self._watchdog.start()
+        try:
+            await self._loop()
+        finally:
+            self._watchdog.stop()
+
+    async def _loop(self) -> None:
         sched = self.scheduler
         depth = 2 if self.config.overlap_scheduling else 1
         in_flight: collections.deque[StepPlan] = collections.deque()
@@ -371,7 +398,7 @@ class Engine:
                 if plan.num_requests:
                     self._observe_scheduled(plan)
                     try:
-                        await self.client.send(plan)
+                        await self._send(plan)
                     except ExecutorLost as e:
                         in_flight.clear()
                         await self._recover(str(e))
@@ -390,15 +417,42 @@ class Engine:
                 continue
             plan = in_flight.popleft()
             try:
-                failed = self._apply(plan, await self.client.receive(plan))
+                failed = self._apply(plan, await self._receive(plan))
                 # A failed step makes the plans sent behind it stale (the executor
                 # refuses them): take their answers before planning again.
                 while in_flight and failed:
                     plan = in_flight.popleft()
-                    failed = self._apply(plan, await self.client.receive(plan))
+                    failed = self._apply(plan, await self._receive(plan))
             except ExecutorLost as e:
                 in_flight.clear()
                 await self._recover(str(e))
+
+    # Both under the step watchdog: a wait longer than --step-timeout raises ExecutorHung.
+
+    async def _send(self, plan: StepPlan) -> None:
+        self._watchdog.arm()
+        try:
+            await self.client.send(plan)
+        except asyncio.CancelledError:
+            if not self._watchdog.claim():
+                raise
+            raise self._hung(plan, "taken") from None
+        finally:
+            self._watchdog.disarm()
+
+    async def _receive(self, plan: StepPlan) -> StepResult:
+        self._watchdog.arm()
+        try:
+            return await self.client.receive(plan)
+        except asyncio.CancelledError:
+            if not self._watchdog.claim():
+                raise
+            raise self._hung(plan, "answered") from None
+        finally:
+            self._watchdog.disarm()
+
+    def _hung(self, plan: StepPlan, what: str) -> ExecutorHung:
+        return ExecutorHung(f"step {plan.step_id} not {what} within --step-timeout {self.config.step_timeout_s:g} s")
 
     def _apply(self, plan: StepPlan, result: StepResult) -> bool:
         """Applies a step's result and streams its outputs; True if the step failed."""

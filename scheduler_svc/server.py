@@ -1,14 +1,18 @@
 """The public gRPC edge: the `Generation` service, health and reflection.
 
 Status codes a client can receive:
-  INVALID_ARGUMENT    a field is out of range (BadRequest details name it)
+  INVALID_ARGUMENT    a field is out of range (BadRequest details name it), or the message does not parse
   OUT_OF_RANGE        prompt (+ max_tokens) longer than the context or KV cache
   ALREADY_EXISTS      request_id is already live
   RESOURCE_EXHAUSTED  the waiting queue is full, or the message is too large
   UNAVAILABLE         executor unreachable (past --executor-recovery-timeout) or draining
-  UNAUTHENTICATED     bearer token missing or wrong (when tokens are configured)
+  UNAUTHENTICATED     bearer token missing or wrong (when tokens are configured), unknown methods included
   DEADLINE_EXCEEDED   the client's deadline passed (the request is aborted and freed)
   INTERNAL            an unexpected failure of this request's step; others continue
+
+Tokenizing, chat rendering and detokenizing of large inputs run in worker
+threads (scheduler_svc/text_work.py), never on the event loop. Request
+listings are scoped to the caller (shared/grpc_auth.py) unless it is an admin.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from grpc_status import rpc_status
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, EngineUnavailable, FinishReason, QueueFull, SampleOutput
-from scheduler_svc.validation import InvalidRequest, Limits, render_chat, to_generation_input
+from scheduler_svc.text_work import TextWorkers
+from scheduler_svc.validation import InvalidRequest, Limits, chat_work_size, render_chat, to_generation_input, work_size
+from shared.grpc_auth import ANONYMOUS, Caller, TokenTable
 from shared.sampling_params import MAX_LOGPROBS
 
 log = structlog.get_logger(__name__)
@@ -56,16 +62,59 @@ def to_response(request_id: str, out: SampleOutput) -> pb.GenerateResponse:
     return msg
 
 
+_CHUNK = 1 << 15  # elements per piece of a large response: a few ms of GIL each
+
+
+def tokenize(tok, request: pb.TokenizeRequest, special_tokens_in_content: bool) -> pb.TokenizeResponse | bytes:
+    """The Tokenize RPC's work (may run in a worker thread).
+
+    A large answer comes back serialized, in pieces (serialized messages
+    concatenate to their merge): building and serializing millions of elements
+    in one C call would hold the GIL, and so the event loop, for most of a
+    second. shared.grpc_codec.CodecInterceptor passes the bytes through.
+    """
+    if request.WhichOneof("input") == "chat":
+        ids = render_chat(tok, request.chat, "chat", special_tokens_in_content)
+    else:
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = tok.encode(request.text, add_special_tokens=add)
+    if len(ids) <= _CHUNK:
+        return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
+    return b"".join(pb.TokenizeResponse(token_ids=ids[i:i + _CHUNK], tokens=tok.id_to_token(ids[i:i + _CHUNK])).SerializeToString()
+                    for i in range(0, len(ids), _CHUNK))
+
+
+def detokenize(tok, vocab_size: int, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+    """The Detokenize RPC's work (may run in a worker thread)."""
+    ids = list(request.token_ids)
+    if ids and max(ids) >= vocab_size:
+        bad = next(t for t in ids if t >= vocab_size)
+        raise InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary (size {vocab_size})")
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return pb.DetokenizeResponse(text=tok.decode(ids, skip_special_tokens=skip))
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, config):
+    def __init__(self, engine: Engine, config, tokens: TokenTable | None = None, workers: TextWorkers | None = None):
         self.engine = engine
         self.config = config
+        self.tokens = tokens  # None: no authentication, every caller is ANONYMOUS
+        self.workers = workers or TextWorkers()
+
+    def _caller(self, context) -> Caller:
+        if self.tokens is None:
+            return ANONYMOUS
+        caller = self.tokens.identify(context.invocation_metadata())
+        assert caller is not None, "BearerAuthInterceptor admits only known tokens"
+        return caller
 
     def _limits(self) -> Limits:
         info, cfg = self.engine.info, self.config
         return Limits(
             vocab_size=info.vocab_size, max_model_len=self.engine.max_model_len, max_n=cfg.max_n,
             max_stop_strings=cfg.max_stop_strings, max_stop_string_bytes=cfg.max_stop_string_bytes,
+            max_prompt_chars=self.engine.max_model_len * self.engine.tokenizer.max_token_chars,
+            special_tokens_in_content=cfg.allow_special_tokens_in_content,
         )
 
     async def _require_engine(self, context) -> None:
@@ -74,12 +123,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         await self._require_engine(context)
+        caller = self._caller(context)
         try:
-            gen = to_generation_input(request, self.engine.tokenizer, self._limits())
+            gen = await self.workers.run(work_size(request), to_generation_input, request, self.engine.tokenizer, self._limits())
         except InvalidRequest as e:
             await abort_invalid(context, e)
         try:
-            handle = self.engine.submit(gen)
+            handle = self.engine.submit(gen, owner=caller.name)
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {gen.request_id!r} is already live")
         except QueueFull as e:
@@ -103,28 +153,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if finished < handle.n:
                 self.engine.abort(handle)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse | bytes:
         await self._require_engine(context)
-        tok = self.engine.tokenizer
+        size = chat_work_size(request.chat) if request.WhichOneof("input") == "chat" else len(request.text)
         try:
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                ids = render_chat(tok, request.chat, "chat")
-            else:
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = tok.encode(request.text, add_special_tokens=add)
+            return await self.workers.run(size, tokenize, self.engine.tokenizer, request, self.config.allow_special_tokens_in_content)
         except InvalidRequest as e:
             await abort_invalid(context, e)
-        return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         await self._require_engine(context)
-        vocab = self.engine.info.vocab_size
-        bad = next((t for t in request.token_ids if t >= vocab), None)
-        if bad is not None:
-            await abort_invalid(context, InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary (size {vocab})"))
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=self.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        try:
+            return await self.workers.run(len(request.token_ids), detokenize, self.engine.tokenizer, self.engine.info.vocab_size, request)
+        except InvalidRequest as e:
+            await abort_invalid(context, e)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         await self._require_engine(context)
@@ -147,7 +189,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             num_preemptions=s.num_preemptions, executor_connected=self.engine.connected, num_steps=s.num_steps,
         )
         if request.include_requests:
-            for r in self.engine.scheduler.live_requests():
+            # A caller sees only its own requests (ids and prompt lengths are its business); an admin sees all.
+            caller = self._caller(context)
+            for r in self.engine.live_requests(None if caller.admin else caller.name):
                 msg.requests.add(
                     request_id=r.request_id, status=int(r.status), prompt_tokens=r.num_prompt_tokens,
                     output_tokens=r.num_output_tokens, computed_tokens=r.num_computed_tokens,

@@ -10,7 +10,10 @@ to exactly the ids the model was trained on.
 """
 from __future__ import annotations
 
+import bisect
 import json
+import re
+import secrets
 from datetime import datetime
 
 import jinja2
@@ -19,6 +22,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# Above this many characters (or ids) `tokenizers` is called through its batch
+# API, which releases the GIL while the Rust side works; below it the plain call
+# is cheaper. Either way the result is the same.
+GIL_FREE_FROM = 4096
+# Marks a control-token string cut out of chat content while the template
+# renders; noncharacters plus a per-call nonce, so content cannot forge one.
+_HOLE = re.compile("\ufdd0([0-9a-f]{16}):([0-9]+)\ufdd1")
 
 
 def _raise_exception(message: str) -> None:
@@ -82,6 +92,16 @@ class Tokenizer:
         # named special tokens (bos/eos/unk/pad/additional).
         self.all_special_ids: list[int] = sorted(special)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        vocab = backend.get_vocab(with_added_tokens=True)
+        # No token covers more characters than its vocabulary entry has (byte-level
+        # BPE: one entry char per input byte), so a text of more than
+        # n * max_token_chars characters has more than n tokens: a bound checked
+        # before tokenizing anything.
+        self.max_token_chars: int = max((len(t) for t in vocab), default=1)
+        self._special_ids = frozenset(special)
+        strings = sorted({backend.id_to_token(i) for i in special} - {None, ""}, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, strings))) if strings else None
+        self._text_backend: _BackendTokenizer | None = None  # built on first use: tokenizes control tokens as text
 
     @classmethod
     def from_info(
@@ -104,13 +124,27 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_FROM:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            # The fast variant keeps no offsets: freeing a million-token Encoding with
+            # them held the GIL for ~0.25 s.
+            ids = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    @staticmethod
+    def _encoding(backend: _BackendTokenizer, text: str, add_special_tokens: bool):
+        """The Encoding, offsets included."""
+        if len(text) < GIL_FREE_FROM:
+            return backend.encode(text, add_special_tokens=add_special_tokens)
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if len(ids) < GIL_FREE_FROM:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, ids: list[int]) -> list[str]:
         """Raw vocabulary strings (e.g. 'Ġworld' for byte-level BPE)."""
@@ -143,11 +177,68 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed to render: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False) -> list[int]:
         """Prompt ids for a chat, equal to transformers'
-        apply_chat_template(tokenize=True)."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(prompt, add_special_tokens=False)
+        apply_chat_template(tokenize=True) when no message content contains
+        a control-token string.
+
+        Control tokens (`<|im_start|>`, EOS, ...) written inside message content
+        are tokenized as the text they spell, never as the control token: a user
+        cannot close their turn and forge a system one. Only the template writes
+        control tokens, unless `special_tokens_in_content` (trusted clients).
+        """
+        if special_tokens_in_content or self._special_re is None:
+            prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.encode(prompt, add_special_tokens=False)
+        _validate_messages(messages)
+        nonce, cut = secrets.token_hex(8), []
+
+        def hole(match: re.Match) -> str:
+            cut.append(match.group(0))
+            return f"\ufdd0{nonce}:{len(cut) - 1}\ufdd1"
+
+        safe = [{**m, "content": self._special_re.sub(hole, m["content"])} for m in messages]
+        prompt = self.apply_chat_template(safe if cut else messages, add_generation_prompt=add_generation_prompt)
+        if not cut:
+            return self.encode(prompt, add_special_tokens=False)
+        return self._encode_with_text_holes(prompt, nonce, cut)
+
+    def _encode_with_text_holes(self, prompt: str, nonce: str, cut: list[str]) -> list[int]:
+        """Encodes `prompt` with its holes filled back in, the filled spans as text.
+
+        The whole prompt is encoded once, so every token outside the holes is
+        what a plain encode gives; each control token covering a hole is then
+        replaced by the ids of the text it spans.
+        """
+        text, starts, ends, pos, length = [], [], [], 0, 0
+        for match in _HOLE.finditer(prompt):
+            text.append(prompt[pos:match.start()])
+            length += match.start() - pos
+            pos = match.end()
+            if match.group(1) != nonce:  # content imitating a hole (it cannot know the nonce): its own text
+                text.append(match.group(0))
+                length += len(match.group(0))
+                continue
+            filling = cut[int(match.group(2))]
+            text.append(filling)
+            starts.append(length)
+            length += len(filling)
+            ends.append(length)
+        text.append(prompt[pos:])
+        full = "".join(text)
+        encoding = self._encoding(self._backend, full, add_special_tokens=False)
+        if self._text_backend is None:
+            self._text_backend = _BackendTokenizer.from_str(self._backend.to_str())
+            self._text_backend.encode_special_tokens = True
+        ids = []
+        for token, (start, end) in zip(encoding.ids, encoding.offsets):
+            k = bisect.bisect_left(starts, start)
+            if token in self._special_ids and k < len(starts) and ends[k] <= end:
+                ids += self._text_backend.encode(full[start:end], add_special_tokens=False).ids
+            else:
+                ids.append(token)
+        return ids
 
     def _template(self) -> jinja2.Template:
         # Compiled lazily: a model whose template is missing or broken can

@@ -1,7 +1,13 @@
 """Checks a public GenerateRequest and turns it into a GenerationInput.
 
 Every rejection names the field and the limit. Nothing here has side effects:
-a rejected request changes nothing in the engine.
+a rejected request changes nothing in the engine, and these functions may run
+in a worker thread (scheduler_svc/text_work.py).
+
+Size limits come before any tokenizing, so an oversized prompt costs nothing:
+a token_ids prompt is counted, a chat's messages are counted (every message
+renders to at least one token) and a text's characters are bounded by
+`max_model_len * tokenizer.max_token_chars` (no token covers more characters).
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ class Limits:
     max_n: int
     max_stop_strings: int
     max_stop_string_bytes: int
+    max_prompt_chars: int  # more characters than this cannot fit max_model_len tokens
+    special_tokens_in_content: bool = False  # chat content may write control tokens
 
 
 def _check_range(field: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -44,7 +52,7 @@ def _check_range(field: str, value: float, lo: float, hi: float, lo_open: bool =
         raise InvalidRequest(field, f"must be in {left}{lo}, {hi}], got {value}")
 
 
-def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str) -> list[int]:
+def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str, special_tokens_in_content: bool = False) -> list[int]:
     if not chat.messages:
         raise InvalidRequest(f"{field}.messages", "a chat needs at least one message")
     for i, m in enumerate(chat.messages):
@@ -54,15 +62,54 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str) -> list[int]:
         raise InvalidRequest(field, "the served model has no chat template; send text or token_ids")
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], add_gen)
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], add_gen,
+                                     special_tokens_in_content=special_tokens_in_content)
     except ValueError as e:
         raise InvalidRequest(field, str(e)) from e
+
+
+def _too_long(field: str, what: str, limits: Limits) -> InvalidRequest:
+    return InvalidRequest(field, f"{what}: more than the model's context of {limits.max_model_len} tokens",
+                          grpc.StatusCode.OUT_OF_RANGE)
+
+
+def check_prompt_size(req: pb.GenerateRequest, limits: Limits) -> None:
+    """Rejects a prompt that cannot fit the context, without tokenizing it."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text" and len(req.text) > limits.max_prompt_chars:
+        raise _too_long("prompt.text", f"the prompt has {len(req.text)} characters", limits)
+    if kind == "token_ids" and len(req.token_ids.ids) >= limits.max_model_len:
+        raise _too_long("prompt.token_ids", f"the prompt has {len(req.token_ids.ids)} tokens", limits)
+    if kind == "chat":
+        messages = req.chat.messages
+        if len(messages) >= limits.max_model_len:
+            raise _too_long("prompt.chat.messages", f"the chat has {len(messages)} messages", limits)
+        chars = sum(len(m.content) for m in messages)
+        if chars > limits.max_prompt_chars:
+            raise _too_long("prompt.chat.messages", f"the chat has {chars} characters of content", limits)
+
+
+def chat_work_size(chat: pb.Chat) -> int:
+    """Roughly how much work rendering and tokenizing a chat is, in characters (cheap to compute)."""
+    messages = chat.messages
+    return 1 << 30 if len(messages) > 16 else sum(64 + len(m.content) for m in messages)
+
+
+def work_size(req: pb.GenerateRequest) -> int:
+    """Roughly how much tokenizer work a request needs, in characters or ids (cheap to compute)."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        return len(req.text)
+    if kind == "token_ids":
+        return len(req.token_ids.ids)
+    return chat_work_size(req.chat) if kind == "chat" else 0
 
 
 def prompt_token_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("prompt", "no prompt: set text, token_ids or chat")
+    check_prompt_size(req, limits)
     if kind == "text":
         if not req.text:
             raise InvalidRequest("prompt.text", "the prompt is empty")
@@ -73,7 +120,7 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limi
         if bad is not None:
             raise InvalidRequest("prompt.token_ids.ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
     else:
-        ids = render_chat(tokenizer, req.chat, "prompt.chat")
+        ids = render_chat(tokenizer, req.chat, "prompt.chat", limits.special_tokens_in_content)
     if not ids:
         raise InvalidRequest(f"prompt.{kind}", "the prompt has no tokens")
     if len(ids) >= limits.max_model_len:

@@ -203,3 +203,37 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
             assert [(c["level"], c["previous_scheduler_id"], c["scheduler_id"]) for c in changes] == [("warning", "A", "B")]
     finally:
         s.stop()
+
+
+def test_stopped_executor_goes_not_serving_then_unavailable_then_back():
+    """SIGSTOP breaks no connection: only the step watchdog (--step-timeout) notices."""
+    step_timeout_s, recovery_s = 2.0, 3.0
+    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"],
+                 scheduler_args=["--step-timeout", str(step_timeout_s), "--executor-recovery-timeout", str(recovery_s)]) as s, \
+            Client(s.public_addr) as c:
+        stream = c.generate("Once upon a time", max_tokens=400, ignore_eos=True, timeout=120)
+        next(stream)
+        s.executor.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            while health_status(s.public_addr) != NOT_SERVING:
+                assert time.monotonic() - stopped_at < step_timeout_s + 3, "a stopped executor went unnoticed"
+                time.sleep(0.05)
+            assert not c.server_status().executor_connected
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in stream:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            failed_after_s = time.monotonic() - stopped_at
+            assert failed_after_s < step_timeout_s + recovery_s + 8, failed_after_s  # + one handshake attempt's timeout
+            with pytest.raises(grpc.RpcError) as info:
+                c.complete("Hello", max_tokens=2, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            s.executor.send_signal(signal.SIGCONT)
+        wait_for(lambda: health_status(s.public_addr) == SERVING, 60, "SERVING after SIGCONT")
+        status = c.server_status(include_requests=True)
+        assert status.executor_connected and status.kv_blocks_used == 0 and not status.requests
+        assert c.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
+        assert c.server_status().kv_blocks_used == 0
+        assert "executor_lost" in s.logs("scheduler") and "--step-timeout" in s.logs("scheduler")
