@@ -3,10 +3,11 @@
 - `pip wheel .` holds the generated gRPC/protobuf modules and the native C
   sources, and no `bench` or `tests` packages;
 - `pip install pagedserve` (the client) pulls in no torch, tokenizers or
-  web server, and its `pagedserve` CLI talks to a live server;
+  web server;
 - `pagedserve[scheduler,gateway]` still has no torch (the scheduler never
-  imports it) and runs the scheduler and the OpenAI gateway from the venv,
-  in front of an executor started from the checkout.
+  imports it); the venv's scheduler and OpenAI gateway serve requests, in
+  front of an executor started from the checkout, to the venv's `pagedserve`
+  CLI and to plain HTTP.
 The executor from the wheel (`pagedserve[server]`, with torch) is run by
 deploy/compose-smoke.sh, whose image installs this wheel (tests/test_compose.py).
 
@@ -98,37 +99,39 @@ def importable(venv, module: str) -> bool:
     return run(venv, "python", "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)").returncode == 0
 
 
-def test_client_only_install_has_no_torch_and_its_cli_serves_requests(venv, wheel):
+def test_client_only_install_has_no_torch(venv, wheel):
     pip_install(venv, wheel)
     for heavy in ("torch", "triton", "transformers", "tokenizers", "starlette", "numpy"):
         assert not importable(venv, heavy), f"`pip install pagedserve` pulled in {heavy}"
     where = run(venv, "python", "-c", "import pagedserve_client, pagedserve.v1.generation_pb2 as m; print(m.__file__)")
     assert where.returncode == 0 and where.stdout.startswith(str(venv[0])), where
     assert run(venv, "pagedserve", "--help").returncode == 0
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.25"]) as s:
+
+
+def test_cli_scheduler_and_gateway_run_from_the_wheel_without_torch(venv, wheel):
+    """One live stack: executor from the checkout (it needs torch), scheduler,
+    gateway and CLI from the venv."""
+    pip_install(venv, f"{wheel}[scheduler,gateway]")
+    assert not importable(venv, "torch")
+    s = Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.25"])
+    gateway = None
+    try:
+        s.start_executor()
+        path, env, cwd = venv
+        py = str(path / "bin" / "python")
+        s.scheduler = subprocess.Popen([py, "-m", "scheduler_svc", "--listen", s.public_addr, "--executor", s.executor_addr],
+                                       env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        http = f"127.0.0.1:{free_port()}"
+        gateway = subprocess.Popen([py, "-m", "openai_gateway", "--listen", http, "--scheduler", s.public_addr],
+                                   env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_serving(s.public_addr, [s.executor, s.scheduler])
+
         health = run(venv, "pagedserve", "--target", s.public_addr, "health")
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
         done = run(venv, "pagedserve", "--target", s.public_addr, "generate", "The capital of France is",
                    "--max-tokens", "4", "--temperature", "0")
         assert done.returncode == 0 and done.stdout.strip(), done.stderr
 
-
-def test_scheduler_and_gateway_run_from_the_wheel_without_torch(venv, wheel):
-    pip_install(venv, wheel)  # the test above may not have run
-    pip_install(venv, f"{wheel}[scheduler,gateway]")
-    assert not importable(venv, "torch")
-    s = Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.25"])
-    gateway = None
-    try:
-        s.start_executor()  # from the checkout: the executor needs torch
-        path, env, cwd = venv
-        py = str(path / "bin" / "python")
-        s.scheduler = subprocess.Popen([py, "-m", "scheduler_svc", "--listen", s.public_addr, "--executor", s.executor_addr],
-                                       env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_serving(s.public_addr, [s.executor, s.scheduler])
-        http = f"127.0.0.1:{free_port()}"
-        gateway = subprocess.Popen([py, "-m", "openai_gateway", "--listen", http, "--scheduler", s.public_addr],
-                                   env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         models = _get_json(f"http://{http}/v1/models", gateway)
         body = json.dumps({"model": models["data"][0]["id"], "prompt": "The capital of France is", "max_tokens": 4,
                            "temperature": 0}).encode()
