@@ -34,7 +34,8 @@ RUN python3 -m venv $VIRTUAL_ENV && pip install $TORCH_PIP_ARGS "$TORCH_SPEC"
 
 # Dependencies before source: this layer depends only on the files that
 # declare them. A wheel of the project's skeleton (metadata + generated stubs)
-# carries the dependency list; the real wheel replaces it below.
+# carries the dependency list; it is uninstalled again, and the runtime stage
+# installs the real wheel on top of this venv.
 WORKDIR /src
 COPY pyproject.toml setup.py MANIFEST.in ./
 COPY protos/ protos/
