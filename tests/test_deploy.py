@@ -4,7 +4,9 @@
   (the copy shipped in PyPI's docker-compose 1.29.2 wheel, fetched at test time);
 - every PAGEDSERVE_* variable the compose files set is one its service reads;
 - the healthcheck commands work when run by hand against live processes;
-- the Dockerfile installs with `make install`, the developers' own step.
+- the Dockerfile installs dependencies before the source, runs as a user, and
+  .dockerignore keeps the venv and build outputs out;
+- one image tag per variant; compose outlasts the services' drain.
 """
 from __future__ import annotations
 
@@ -87,11 +89,50 @@ def test_executor_and_scheduler_share_the_executor_secret_and_nobody_else_mounts
     assert mounts["executor"][0].split(":")[0] in load("docker-compose.yml")["volumes"]  # a named volume
 
 
-def test_dockerfile_installs_with_make_install():
+def dockerfile() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined."""
     with open(os.path.join(REPO, "Dockerfile")) as f:
-        runs = [line for line in f if line.startswith("RUN ")]
-    assert any("make install" in r for r in runs)
-    assert not any("pip install" in r for r in runs), "install steps belong in `make install`, not the Dockerfile"
+        text = re.sub(r"\\\n", " ", f.read())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_installs_dependencies_before_the_source_and_runs_as_a_user():
+    lines = dockerfile()
+    assert lines[0].startswith("ARG BASE_IMAGE=") and "FROM ${BASE_IMAGE} AS system" in lines
+    deps = next(i for i, line in enumerate(lines) if line.startswith("RUN") and "[server]" in line)
+    source = lines.index("COPY . .")
+    assert deps < source, "every source edit would reinstall the dependencies"
+    assert all(" . " not in line for line in lines[:deps] if line.startswith("COPY"))
+    runtime = lines[lines.index("FROM system AS runtime"):]
+    assert not any(line.startswith("COPY") and "--from=" not in line and "prebuild_kernels" not in line for line in runtime)
+    user = [line.split()[1] for line in runtime if line.startswith("USER ")]
+    assert user and user[-1] not in ("root", "0")
+    assert not any("[test" in line or ",test" in line for line in lines)
+
+
+def test_dockerignore_keeps_the_venv_git_and_build_outputs_out():
+    with open(os.path.join(REPO, ".dockerignore")) as f:
+        patterns = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "build", "dist", "pagedserve", "executor_svc/**/native/build", "**/__pycache__"} <= patterns
+
+
+def seconds(duration: str) -> float:
+    return float(duration.rstrip("s"))
+
+
+def test_one_image_tag_per_variant_and_stop_grace_beyond_the_drain():
+    base, gpu = load("docker-compose.yml")["services"], load("docker-compose.gpu.yml")["services"]
+    assert {svc["image"] for svc in base.values()} == {"pagedserve:cpu"}
+    assert {gpu.get(name, {}).get("image") for name in base} == {"pagedserve:gpu"}
+    for name in ("scheduler", "gateway"):
+        drain = float(base[name]["environment"]["PAGEDSERVE_DRAIN_TIMEOUT"])
+        assert seconds(base[name]["stop_grace_period"]) > drain, f"compose would kill the {name} mid-drain"
+
+
+def test_compose_publishes_a_metrics_port():
+    scheduler = load("docker-compose.yml")["services"]["scheduler"]
+    port = scheduler["environment"]["PAGEDSERVE_METRICS_LISTEN"].rsplit(":", 1)[1]
+    assert any(str(p).endswith(f":{port}") for p in scheduler["ports"])
 
 
 def test_healthcheck_commands_work_against_live_processes():
