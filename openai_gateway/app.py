@@ -18,7 +18,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -33,6 +32,7 @@ from starlette.routing import Route
 
 from openai_gateway import extra_routes
 from openai_gateway.config import GatewayConfig
+from openai_gateway.merge_streams import merge_streams
 from openai_gateway.translate import (
     COMPLETION, APIError, Translated, chat_request, chunk_json, completion_request, from_grpc,
     logprob_token_ids, logprobs_json, response_json, usage_chunk_json,
@@ -174,8 +174,8 @@ class Gateway:
             await self._check_model(request, t.model)
             echoes = await self._echoes(t, md)
             if not t.stream:
-                groups = await _unless_disconnected(request, asyncio.gather(*(
-                    self.client.complete(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts))))
+                groups = await _unless_disconnected(request, _all_or_none(
+                    self.client.complete(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)))
                 samples = [s for g in groups for s in g]
                 logprobs = [None] * len(samples)
                 if t.logprobs:
@@ -186,7 +186,7 @@ class Gateway:
             # rejects gets a proper HTTP error instead of an error event inside a started stream.
             gens = [self.client.generate(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)]
             try:
-                firsts = await _unless_disconnected(request, asyncio.gather(*(anext(g) for g in gens)))
+                firsts = await _unless_disconnected(request, _all_or_none(anext(g) for g in gens))
             except BaseException:
                 await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
                 raise
@@ -225,49 +225,21 @@ class Gateway:
         yield _DONE
 
 
-async def _const(value):
-    return value
-
-
-async def merge_streams(streams: list[tuple[Completion, AsyncIterator[Completion]]]) -> AsyncIterator[tuple[int, Completion]]:
-    """(stream index, message) from several Generate streams as they arrive; each stream's
-    first message is already read. Leaving early closes (cancels) every stream."""
-    if len(streams) == 1:  # the common case, without tasks
-        first, gen = streams[0]
-        try:
-            yield 0, first
-            async for msg in gen:
-                yield 0, msg
-        finally:
-            await gen.aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(p: int, first: Completion, gen) -> None:
-        try:
-            await queue.put((p, first, None))
-            async for msg in gen:
-                await queue.put((p, msg, None))
-            await queue.put((p, None, None))
-        except Exception as e:  # handed to the reader, which raises it
-            await queue.put((p, None, e))
-
-    tasks = [asyncio.ensure_future(pump(p, first, gen)) for p, (first, gen) in enumerate(streams)]
+async def _all_or_none(awaitables):
+    """asyncio.gather, except that the first failure cancels the rest: when one prompt of a
+    list is refused, the others must not go on generating for nobody."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        live = len(tasks)
-        while live:
-            p, msg, error = await queue.get()
-            if error is not None:
-                raise error
-            if msg is None:
-                live -= 1
-                continue
-            yield p, msg
-    finally:
+        return await asyncio.gather(*tasks)
+    except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(gen.aclose() for _, gen in streams), return_exceptions=True)
+        raise
+
+
+async def _const(value):
+    return value
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:

@@ -6,25 +6,17 @@
 
 The executor listens on a Unix socket in a private (0700) temporary folder, so
 only this tree can drive it. Any other flag of a service passes through to
-the service that has it (see `routes`); `--log-level` etc. reach all that have
+the service that has it (serve_flags.py); `--log-level` etc. reach all that have
 it. Start-up prints each stage and then where to send requests. Ctrl-C or
 SIGTERM stops the gateway and the scheduler first (they drain open requests),
 then the executor, and exits 0; the children die with this process even if it
 is killed (PR_SET_PDEATHSIG), and they run in their own process group so that
 a terminal's Ctrl-C reaches only this process, which stops them in order.
 
-Environment: each service still reads its PAGEDSERVE_* variables. Three flags
-exist in the executor and the scheduler with different meanings, so
-`child_envs` routes their variables:
-
-    PAGEDSERVE_METRICS_LISTEN           the scheduler's /metrics
-    PAGEDSERVE_EXECUTOR_METRICS_LISTEN  the executor's /metrics
-    PAGEDSERVE_AUTH_TOKEN               a client bearer token (the scheduler's)
-    PAGEDSERVE_EXECUTOR_AUTH_TOKEN[_FILE]  the internal hop's secret: both get it
+Which flag and variable reaches which service: serve_flags.py.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -37,87 +29,15 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 
 from shared.cli_config import EnvArgumentParser
+from shared.serve_flags import (
+    EXECUTOR, GATEWAY, SCHEDULER, child_envs, flag_value, routes, service_parsers, split_args,
+)
 
-EXECUTOR, SCHEDULER, GATEWAY = "executor_svc", "scheduler_svc", "openai_gateway"
-# Flags the launcher sets itself, per service (a user's value would break the tree's wiring).
-OWNED = {
-    EXECUTOR: {"--listen", "--model", "--auth-token", "--auth-token-file", "--metrics-listen"},
-    SCHEDULER: {"--listen", "--executor", "--executor-auth-token", "--executor-auth-token-file"},
-    GATEWAY: {"--listen", "--scheduler", "--metrics-upstream"},
-}
 STARTUP_NOTE_S = 15.0  # while starting, a progress line this often
 
 
 def say(text: str) -> None:
     print(f"[pagedserve] {text}", file=sys.stderr, flush=True)
-
-
-def child_envs(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(executor's, scheduler's) environment, each variable reaching the process it means."""
-    executor = {k: v for k, v in environ.items() if k not in ("PAGEDSERVE_METRICS_LISTEN", "PAGEDSERVE_AUTH_TOKEN")}
-    for name in ("METRICS_LISTEN", "AUTH_TOKEN", "AUTH_TOKEN_FILE"):
-        value = environ.get(f"PAGEDSERVE_EXECUTOR_{name}")
-        if value is not None:
-            executor[f"PAGEDSERVE_{name}"] = value
-    return executor, dict(environ)
-
-
-def service_parsers(environ: Mapping[str, str]) -> dict[str, argparse.ArgumentParser]:
-    from executor_svc.config import build_parser as executor_parser  # torch-free: argparse only
-    from openai_gateway.config import build_parser as gateway_parser
-    from scheduler_svc.config import build_parser as scheduler_parser
-
-    return {EXECUTOR: executor_parser(environ), SCHEDULER: scheduler_parser(environ), GATEWAY: gateway_parser(environ)}
-
-
-def routes(extra: Sequence[str], parsers: Mapping[str, argparse.ArgumentParser]) -> dict[str, list[str]]:
-    """Splits flags the launcher does not know among the services that have them.
-    Raises ValueError for a flag no service has, or one the launcher sets itself."""
-    out: dict[str, list[str]] = {name: [] for name in parsers}
-    i = 0
-    while i < len(extra):
-        token = extra[i]
-        flag, eq, value = token.partition("=")
-        owners = [name for name, p in parsers.items() if flag in p._option_string_actions]
-        if not flag.startswith("--") or not owners:
-            raise ValueError(f"unknown flag {token!r} (see pagedserve serve --help, python -m executor_svc --help, "
-                             "python -m scheduler_svc --help, python -m openai_gateway --help)")
-        targets = [name for name in owners if flag not in OWNED[name]]
-        if not targets:
-            raise ValueError(f"{flag} is set by pagedserve serve itself; start the services one by one to choose it")
-        takes_value = parsers[owners[0]]._option_string_actions[flag].nargs != 0
-        args = [token]
-        if takes_value and not eq:
-            if i + 1 >= len(extra):
-                raise ValueError(f"{flag} needs a value")
-            args.append(extra[i + 1])
-            i += 1
-        for name in targets:
-            out[name] += args
-        i += 1
-    return out
-
-
-def split_args(argv: Sequence[str], own: argparse.ArgumentParser,
-               parsers: Mapping[str, argparse.ArgumentParser]) -> tuple[list[str], list[str]]:
-    """(the launcher's arguments, the services' flags). A service flag's value is
-    taken with it, so that `--dtype float32` is never mistaken for the MODEL argument."""
-    mine, theirs = [], []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        flag, eq, _ = token.partition("=")
-        action = own._option_string_actions.get(flag)
-        target = mine
-        if action is None and token.startswith("--"):
-            action = next((p._option_string_actions[flag] for p in parsers.values() if flag in p._option_string_actions), None)
-            target = theirs
-        target.append(token)
-        if token.startswith("-") and action is not None and action.nargs != 0 and not eq and i + 1 < len(argv):
-            target.append(argv[i + 1])
-            i += 1
-        i += 1
-    return mine, theirs
 
 
 def parser(environ: Mapping[str, str]) -> EnvArgumentParser:
@@ -234,6 +154,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         routed = routes(extra, parsers)
     except ValueError as e:
         p.error(str(e))
+    if flag_value(routed[SCHEDULER], "--tls-cert") or environ.get("PAGEDSERVE_TLS_CERT"):
+        # The launcher's readiness probe and the gateway speak plaintext to the scheduler.
+        p.error("TLS on the gRPC port is not supported by pagedserve serve; start the services one by one "
+                "(python -m scheduler_svc --tls-cert ..., python -m openai_gateway --scheduler-tls-ca ...)")
     executor_env, scheduler_env = child_envs(environ)
     private = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700: only this user reaches the socket
     executor = f"unix://{private}/executor.sock"
@@ -241,7 +165,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     openai = None if a.no_openai else _host_port(a.host, a.openai_port)
     # The scheduler's (and executor's) metrics reach users through the gateway's /metrics:
     # on loopback ports of their own unless the user chose addresses.
-    scheduler_metrics = (_flag(routed[SCHEDULER], "--metrics-listen") or scheduler_env.get("PAGEDSERVE_METRICS_LISTEN")
+    scheduler_metrics = (flag_value(routed[SCHEDULER], "--metrics-listen") or scheduler_env.get("PAGEDSERVE_METRICS_LISTEN")
                          or (f"127.0.0.1:{_free_port()}" if openai else ""))
     executor_metrics = a.executor_metrics_listen or (f"127.0.0.1:{_free_port()}" if openai else "")
     tree = Tree()
@@ -284,17 +208,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _flag(args: list[str], flag: str) -> str | None:
-    for i, token in enumerate(args):
-        if token == flag and i + 1 < len(args):
-            return args[i + 1]
-        if token.startswith(flag + "="):
-            return token.partition("=")[2]
-    return None
-
-
 def _drain_s(routed: Mapping[str, list[str]]) -> float:
-    value = _flag(routed[SCHEDULER], "--drain-timeout")
+    value = flag_value(routed[SCHEDULER], "--drain-timeout")
     return float(value) if value else 30.0
 
 
@@ -335,7 +250,7 @@ def _served_model(base: str) -> str:
 
 def _banner(public: str, openai_base: str | None, routed, scheduler_env) -> None:
     cli = "pagedserve" + (f" --target {_local(public)}" if _local(public) != "127.0.0.1:50051" else "")
-    auth = (_flag(routed[SCHEDULER], "--auth-token") or _flag(routed[SCHEDULER], "--auth-tokens-file")
+    auth = (flag_value(routed[SCHEDULER], "--auth-token") or flag_value(routed[SCHEDULER], "--auth-tokens-file")
             or "PAGEDSERVE_AUTH_TOKEN" in scheduler_env or "PAGEDSERVE_AUTH_TOKENS_FILE" in scheduler_env)
     if auth:
         cli += " --token YOUR_TOKEN"

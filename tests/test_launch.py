@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pagedserve_client import Client
-from shared.launch import EXECUTOR, GATEWAY, SCHEDULER, child_envs, routes, service_parsers
+from shared.serve_flags import EXECUTOR, GATEWAY, SCHEDULER, child_envs, routes, service_parsers
 from tests.servers import REPO, free_port
 
 pytestmark = pytest.mark.e2e

@@ -359,3 +359,12 @@ def test_cors_allows_only_the_configured_origin(base):
 def test_metrics_404_without_upstream(base):
     status, body = http("GET", base + "/metrics")
     assert status == 404 and "--metrics-upstream" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_prompt_in_a_list_cancels_the_others(oai, grpc_client, stream):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="m", prompt=["Tell me a long story.", [10**6]], max_tokens=2000, stream=stream,
+                               extra_body={"ignore_eos": True})
+    assert e.value.param == "prompt"
+    assert wait_idle(grpc_client, timeout=5.0), "the valid prompt went on generating for nobody"
