@@ -112,12 +112,15 @@ def test_serve_starts_all_three_answers_openai_and_stops_cleanly(tmp_path):
         done = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=24,
                                       extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 24
-        with Client(f"127.0.0.1:{port}") as c:
-            assert c.complete("Hi", max_tokens=2, ignore_eos=True, timeout=60)[0].completion_tokens == 2
+        cli = subprocess.run([sys.executable, "-m", "pagedserve_client.cli", "--target", f"127.0.0.1:{port}", "generate",
+                              "Hi", "--max-tokens", "2", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        messages = [json.loads(line) for line in cli.stdout.splitlines()]
+        assert cli.returncode == 0 and messages[-1]["finish_reason"] == "length", cli.stderr
+        assert messages[-1]["usage"]["completion_tokens"] == 2
 
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert 'vllm:num_requests_running{model_name="smol"}' in metrics
-        assert 'vllm:generation_tokens_total{model_name="smol"} 26.0' in metrics
+        assert 'vllm:generation_tokens_total{model_name="smol"} 26.0' in metrics  # the OpenAI request's and the CLI's
         assert 'vllm:e2e_request_latency_seconds_bucket{le="600.0",model_name="smol"}' in metrics  # minutes-long CPU requests
         assert "vllm:executor_step_duration_seconds_count" in metrics
         out = wait_for(log_path, '"event": "stats"', proc, timeout=30)
