@@ -263,10 +263,10 @@ def create_app(config: GatewayConfig) -> Starlette:
     gw = Gateway(config)
 
     async def tokenize(request: Request) -> Response:
-        return await extra_routes.tokenize(gw, request, await _json_body(request))
+        return await extra_routes.tokenize(gw, request, await _json_body(request), _auth(request))
 
     async def detokenize(request: Request) -> Response:
-        return await extra_routes.detokenize(gw, request, await _json_body(request))
+        return await extra_routes.detokenize(gw, request, await _json_body(request), _auth(request))
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": extra_routes.package_version()})

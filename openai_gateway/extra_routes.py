@@ -30,10 +30,10 @@ def package_version() -> str:
     return version()
 
 
-async def tokenize(gw, request: Request, body: dict) -> Response:
+async def tokenize(gw, request: Request, body: dict, md: tuple) -> Response:
+    """`md`: the caller's credentials, passed through to the scheduler."""
     if body.get("model") is not None:
         await gw._check_model(request, body["model"])
-    md = gw_auth(request)
     try:
         if body.get("messages") is not None:
             messages = body["messages"]
@@ -52,14 +52,14 @@ async def tokenize(gw, request: Request, body: dict) -> Response:
     return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len_tokens, "tokens": ids, "token_strs": None})
 
 
-async def detokenize(gw, request: Request, body: dict) -> Response:
+async def detokenize(gw, request: Request, body: dict, md: tuple) -> Response:
     if body.get("model") is not None:
         await gw._check_model(request, body["model"])
     tokens = body.get("tokens")
     if tokens != [] and _token_ids(tokens) is None:
         raise _bad("tokens", "expected a list of token ids")
     try:
-        text = await gw.client.detokenize(tokens, metadata=gw_auth(request))
+        text = await gw.client.detokenize(tokens, metadata=md)
     except grpc.RpcError as e:
         raise from_grpc(e, {"token_ids": "tokens"}) from e
     return JSONResponse({"prompt": text})
@@ -79,8 +79,3 @@ async def metrics(upstream: tuple[str, ...]) -> Response:
     if failed:
         raise APIError(503, f"metrics unavailable from {', '.join(failed)}", None, "service_unavailable")
     return Response("".join(p if p.endswith("\n") else p + "\n" for p in pages), media_type=PROMETHEUS_TEXT)
-
-
-def gw_auth(request: Request) -> tuple:
-    value = request.headers.get("authorization")
-    return (("authorization", value),) if value else ()
