@@ -31,7 +31,7 @@ protos $(GENERATED): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
 run: install
-	$(PY) -m shared.launch
+	$(VENV)/bin/pagedserve serve
 
 test: install
 	$(PY) -m pytest

@@ -92,7 +92,7 @@ async def _one(client: AsyncClient, index: int, req: BenchRequest, at: float, t0
                 rec.chunk_tokens.append(len(msg.token_ids))
             if msg.finish_reason:
                 rec.finished_at = now
-                rec.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                rec.finish_reason = msg.finish_reason
                 rec.prompt_tokens = msg.usage.prompt_tokens
                 rec.output_tokens = msg.usage.completion_tokens
                 rec.cached_prompt_tokens = msg.usage.cached_prompt_tokens

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
+import time
 
 import structlog
 
@@ -15,6 +17,15 @@ log = structlog.get_logger("executor_svc")
 
 
 async def run(config) -> int:
+    from executor_svc.model_source import ModelNotFound, resolve_model
+
+    try:
+        path = resolve_model(config.model, config.revision)
+    except ModelNotFound as e:
+        log.error("model_not_found", error=str(e))
+        return 1
+    # Ranks and loaders see the local path from here on.
+    config = dataclasses.replace(config, model=path, revision=None)
     if config.tensor_parallel_size == 1:
         return await serve_worker(config, None)
     from executor_svc.tp_launch import launch
@@ -33,17 +44,28 @@ async def serve_worker(config, tp) -> int:
 
     from executor_svc import weight_packing
     from executor_svc.metrics import ExecutorMetrics
+    from executor_svc.model_loader import default_model_path
     from executor_svc.server import SERVICE_NAME, serve
     from executor_svc.worker import Worker
     from shared.metrics_http import serve_metrics
+    from shared.model_id import model_id
 
-    worker = Worker(config, tp)
-    log.info("model_loaded", model=worker.model_config.model_name, dtype=str(worker.dtype),
+    path = config.model
+    started = time.monotonic()
+    try:
+        path = path or default_model_path()
+        log.info("model_loading", path=path, size_gib=round(_size_bytes(path) / 2**30, 2))
+        worker = Worker(config, tp)
+    except ValueError as e:  # a model or setting this executor cannot serve: the message says which
+        log.error("model_load_failed", path=path, error=str(e))
+        return 1
+    log.info("model_loaded", model=worker.model_config.model_name, load_s=round(time.monotonic() - started, 2),
+             dtype=str(worker.dtype),
              compute_dtype=str(worker.model.compute_dtype), kv_cache_dtype=str(worker.kv_dtype),
              device=worker.device.type, attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
              block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
              tensor_parallel_size=config.tensor_parallel_size)
-    metrics = ExecutorMetrics()
+    metrics = ExecutorMetrics(config.metrics_prefix, model_id(worker.model_config.model_name))
     if config.metrics_listen:
         serve_metrics(config.metrics_listen, metrics.registry)
     server, health = await serve(worker, config.listen, metrics, config.auth_token)
@@ -60,6 +82,13 @@ async def serve_worker(config, tp) -> int:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2.0)
     return 0
+
+
+def _size_bytes(path: str) -> int:
+    """Bytes on disk of a model file or folder (what loading reads)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
 
 
 def set_omp_wait_policy(policy: str, environ=os.environ) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
 from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
+from shared.metrics_http import validate_metrics_prefix
 from shared.net import is_loopback, validate_address
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -18,7 +19,8 @@ OMP_WAIT_POLICIES = ("default", "passive", "active")
 @dataclass(frozen=True)
 class ExecutorConfig:
     listen: str = "127.0.0.1:50052"
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF; else a path or a Hugging Face id
+    revision: str | None = None  # Hugging Face ids: a branch, tag or commit (None: the default branch)
     dtype: str = "auto"  # auto: bfloat16 where the hardware has fast bf16, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     kv_cache_gib: float = 2.0  # KV budget on CPU
@@ -38,6 +40,7 @@ class ExecutorConfig:
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     metrics_listen: str = ""  # HOST:PORT for Prometheus /metrics; "" = off
+    metrics_prefix: str = "pagedserve"  # metric names' namespace; "vllm" for vLLM's dashboards
     auth_token_file: str = ""  # the operator's secret file; "" = this installation's secret (secret_dir)
     # The secret the scheduler must present on every call but health: from
     # --auth-token[-file], else this installation's (shared/executor_secret.py).
@@ -69,6 +72,7 @@ class ExecutorConfig:
             raise ValueError("--num-threads and --max-model-len must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        validate_metrics_prefix(self.metrics_prefix)
         if not is_loopback(self.listen) and not self.auth_token:
             raise ValueError(
                 f"--listen {self.listen} is reachable from other hosts: set --auth-token-file "
@@ -76,12 +80,15 @@ class ExecutorConfig:
             )
 
 
-def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ExecutorConfig:
-    environ = os.environ if environ is None else environ
+def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
+    """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
     p = EnvArgumentParser(prog="python -m executor_svc", description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.", environ=environ)
     d = ExecutorConfig
     p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path to serve the internal Executor API on.")
-    p.add_argument("--model", default=d.model, help="A .gguf file or a local Hugging Face folder (config.json + safetensors). Default: embedded SmolLM2-135M-Instruct.")
+    p.add_argument("--model", default=d.model, help="A .gguf file, a local Hugging Face folder (config.json + safetensors) "
+                   "or a Hugging Face id (org/name: from the Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1). "
+                   "Default: embedded SmolLM2-135M-Instruct.")
+    p.add_argument("--revision", default=d.revision, help="With a Hugging Face id: the branch, tag or commit to load.")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="Weights and KV dtype.")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=DTYPES,
                    help="KV cache storage dtype (auto = the model's). bfloat16 with float32 weights halves the bytes "
@@ -123,6 +130,13 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                    help="Private directory (0700) of this installation's executor secret, generated on first "
                         "start; the scheduler must use the same one. Default: $XDG_STATE_HOME/pagedserve "
                         "(~/.local/state/pagedserve).")
+    p.add_argument("--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards).")
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ExecutorConfig:
+    environ = os.environ if environ is None else environ
+    p = build_parser(environ)
     a = p.parse_args(argv)
     try:
         token = read_secret_file(a.auth_token_file) if a.auth_token_file else a.auth_token
@@ -135,6 +149,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         return ExecutorConfig(
             listen=a.listen,
             model=a.model or None,
+            revision=a.revision or None,
             dtype=a.dtype,
             device=a.device,
             kv_cache_gib=a.kv_cache_gib,
@@ -150,6 +165,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             log_level=a.log_level,
             log_json=True if a.log_json else None,
             metrics_listen=a.metrics_listen,
+            metrics_prefix=a.metrics_prefix,
             auth_token_file=a.auth_token_file,
             auth_token=token,
             secret_dir=a.secret_dir,

@@ -29,7 +29,7 @@ class HFCheckpoint:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         hf_config = _read_json(os.path.join(folder, "config.json"))
-        config = ModelConfig.from_hf_config(hf_config, model_name=os.path.basename(os.path.normpath(folder)))
+        config = ModelConfig.from_hf_config(hf_config, model_name=folder_model_name(folder))
         generation = os.path.join(folder, "generation_config.json")
         if os.path.isfile(generation):
             config = _with_generation_eos(config, _read_json(generation))
@@ -45,6 +45,17 @@ class HFCheckpoint:
         if file not in self._open:
             self._open[file] = safe_open(os.path.join(self.folder, file), framework="pt")
         return self._open[file].get_tensor(name)
+
+
+def folder_model_name(folder: str) -> str:
+    """The folder's name; for a snapshot in the Hugging Face cache
+    (.../models--Qwen--Qwen2.5-0.5B/snapshots/<commit>) the repo id, "Qwen/Qwen2.5-0.5B"."""
+    path = os.path.normpath(os.path.abspath(folder))
+    parent = os.path.dirname(path)
+    repo = os.path.basename(os.path.dirname(parent))
+    if os.path.basename(parent) == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return os.path.basename(path)
 
 
 def _tensor_files(folder: str) -> dict[str, str]:

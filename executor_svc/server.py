@@ -129,6 +129,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         replaced = self._stream_replaced = asyncio.Event()
         self._stream_closed.clear()
         loop = asyncio.get_running_loop()
+        read = gone = None
         try:
             while True:
                 # Wait for the next plan, or for this stream to be replaced by its owner's reconnect.
@@ -147,10 +148,21 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self._metrics.observe(plan, result)
                 await context.write(result_to_proto(result))
         finally:
+            # On shutdown this handler is cancelled mid-wait: its read then fails with the
+            # server. Retrieve that, or asyncio prints "Task exception was never retrieved".
+            for task in (read, gone):
+                if task is not None:
+                    task.cancel()
+                    task.add_done_callback(_retrieve)
             if self._stream_replaced is replaced:
                 self._stream_replaced = None
                 self._claimed_at = 0.0  # the owner keeps its id for a reconnect, not its claim
             self._stream_closed.set()
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def serve(worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str) -> tuple[grpc.aio.Server, health.HealthServicer]:

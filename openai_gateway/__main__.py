@@ -23,8 +23,10 @@ def main(argv=None) -> int:
 
     from openai_gateway.app import create_app
 
+    # log_config=None: uvicorn's own loggers go through the handler configure_logging put on
+    # the root logger, so its lines have the same format as everything else (JSON or console).
     uvicorn.run(create_app(config), log_level=config.log_level, timeout_graceful_shutdown=config.drain_timeout_s,
-                **_bind(config.listen))
+                log_config=None, **_bind(config.listen))
     return 0
 
 

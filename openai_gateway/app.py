@@ -4,6 +4,7 @@
     POST /v1/completions               a text or token-id prompt
     POST /v1/chat/completions          messages through the model's chat template
     GET  /health                       200 while the scheduler's gRPC health is SERVING, else 503
+    /tokenize, /detokenize, /version, /metrics: vLLM's extra routes (extra_routes.py)
 
 Nothing here schedules: each HTTP request is one `Generate` call, and the
 caller's Authorization header rides along as gRPC metadata for the scheduler to
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 
@@ -24,11 +24,15 @@ import structlog
 from grpc_health.v1 import health_pb2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from openai_gateway import extra_routes
 from openai_gateway.config import GatewayConfig
+from openai_gateway.merge_streams import merge_streams
 from openai_gateway.translate import (
     COMPLETION,
     APIError,
@@ -36,7 +40,6 @@ from openai_gateway.translate import (
     chat_request,
     chunk_json,
     completion_request,
-    finish_reason,
     from_grpc,
     logprob_token_ids,
     logprobs_json,
@@ -44,6 +47,7 @@ from openai_gateway.translate import (
     usage_chunk_json,
 )
 from pagedserve_client import AsyncClient, Completion
+from shared.model_id import model_id
 
 log = structlog.get_logger("openai_gateway")
 _DONE = "data: [DONE]\n\n"
@@ -51,12 +55,6 @@ _DONE = "data: [DONE]\n\n"
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def model_id(model_name: str) -> str:
-    """The default id /v1/models lists: the model's name as a URL-safe slug
-    ("Smollm2 135M 8k" -> "smollm2-135m-8k"); --served-model-name overrides it."""
-    return re.sub(r"[^a-z0-9._-]+", "-", model_name.lower()).strip("-") or "model"
 
 
 def _auth(request: Request) -> tuple:
@@ -106,6 +104,7 @@ class Gateway:
         self.config = config
         self.client: AsyncClient | None = None  # made in `lifespan`: a grpc.aio channel belongs to its event loop
         self.started = int(time.time())
+        self.names: set[str] = set()  # the model names requests may use; learnt from the scheduler
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -131,17 +130,25 @@ class Gateway:
             info = await self.client.model_info(metadata=_auth(request))
         except grpc.RpcError as e:
             raise from_grpc(e, {}) from e
+        self.names = {self.config.served_model_name} if self.config.served_model_name else {model_id(info.model_name), info.model_name}
         return {"id": self.config.served_model_name or model_id(info.model_name), "object": "model", "created": self.started,
                 "owned_by": "pagedserve", "max_model_len": info.max_model_len_tokens}
+
+    async def _check_model(self, request: Request, name: str) -> None:
+        """404 for a model this server does not serve (as vLLM and OpenAI answer)."""
+        if not self.names:
+            await self._model_card(request)  # learns the names once; the scheduler serves one model for its life
+        if name not in self.names:
+            served = self.config.served_model_name or min(self.names, key=len)
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{served}`.", "model", "model_not_found",
+                           "NotFoundError")
 
     async def list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [await self._model_card(request)]})
 
     async def get_model(self, request: Request) -> Response:
         card = await self._model_card(request)
-        if request.path_params["model"] != card["id"]:
-            raise APIError(404, f"model {request.path_params['model']!r} not found; this server serves {card['id']!r}",
-                           "model", "model_not_found")
+        await self._check_model(request, request.path_params["model"])
         return JSONResponse(card)
 
     async def completions(self, request: Request) -> Response:
@@ -157,58 +164,91 @@ class Gateway:
         texts = await asyncio.gather(*(self.client.detokenize([i], skip_special_tokens=False, metadata=metadata) for i in ids))
         return dict(zip(ids, texts))
 
+    async def _echoes(self, t: Translated, md) -> list[str]:
+        """Per prompt, the text its choices start with: the prompt itself under `echo`, else nothing."""
+        if not t.echo:
+            return [""] * len(t.prompts)
+        return list(await asyncio.gather(*(
+            _const(p["prompt"]) if "prompt" in p else self.client.detokenize(p["token_ids"], skip_special_tokens=False, metadata=md)
+            for p in t.prompts)))
+
     async def _generate(self, request: Request, t: Translated) -> Response:
         md = _auth(request)
         response_id = ("cmpl-" if t.kind == COMPLETION else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         headers = {"x-request-id": response_id}
+        # One Generate call per prompt; request ids stay unique on the scheduler.
+        ids = [response_id] if len(t.prompts) == 1 else [f"{response_id}-{p}" for p in range(len(t.prompts))]
         try:
+            await self._check_model(request, t.model)
+            echoes = await self._echoes(t, md)
             if not t.stream:
-                samples = await _unless_disconnected(request, self.client.complete(request_id=response_id, metadata=md, **t.kwargs))
+                groups = await _unless_disconnected(request, _all_or_none(
+                    self.client.complete(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)))
+                samples = [s for g in groups for s in g]
                 logprobs = [None] * len(samples)
                 if t.logprobs:
                     text = await self._token_text(set().union(*(logprob_token_ids(s.logprobs) for s in samples)), md)
                     logprobs = [logprobs_json(t.kind, s.logprobs, text) for s in samples]
-                return JSONResponse(response_json(t, response_id, created, samples, logprobs), headers=headers)
-            # Wait for the first message before answering 200: a request the scheduler rejects
-            # gets a proper HTTP error instead of an error event inside a started stream.
-            gen = self.client.generate(request_id=response_id, metadata=md, **t.kwargs)
-            first = await _unless_disconnected(request, anext(gen))
+                return JSONResponse(response_json(t, response_id, created, groups, logprobs, echoes), headers=headers)
+            # Wait for each prompt's first message before answering 200: a request the scheduler
+            # rejects gets a proper HTTP error instead of an error event inside a started stream.
+            gens = [self.client.generate(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)]
+            try:
+                firsts = await _unless_disconnected(request, _all_or_none(anext(g) for g in gens))
+            except BaseException:
+                await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+                raise
         except grpc.RpcError as e:
             raise from_grpc(e, t.renames) from e
         except _ClientGone:
-            return Response(status_code=499)  # nobody reads it; the gRPC call is already cancelled
-        return StreamingResponse(self._stream(t, response_id, created, first, gen, md), media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
+            return Response(status_code=499)  # nobody reads it; the gRPC calls are already cancelled
+        return StreamingResponse(self._stream(t, response_id, created, list(zip(firsts, gens)), echoes, md),
+                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
-    async def _stream(self, t: Translated, response_id: str, created: int, first, gen, md):
-        """SSE chunks, one per gRPC message that carries something. On disconnect the server
-        cancels this generator, which cancels the gRPC call (see AsyncClient.generate)."""
+    async def _stream(self, t: Translated, response_id: str, created: int, streams, echoes: list[str], md):
+        """SSE chunks, one per gRPC message that carries something; prompt p's sample i is choice
+        p*n+i. On disconnect the server cancels this generator, which cancels the gRPC calls."""
         samples: dict[int, Completion] = {}
         try:
-            msg = first
-            while msg is not None:
-                is_first = msg.index not in samples
-                sample = samples.setdefault(msg.index, Completion())
+            async for p, msg in merge_streams(streams):
+                index = p * t.n + msg.index
+                is_first = index not in samples
+                sample = samples.setdefault(index, Completion())
                 logprobs = None
                 if t.logprobs and msg.logprobs:
                     text = await self._token_text(logprob_token_ids(msg.logprobs), md)
                     logprobs = logprobs_json(t.kind, msg.logprobs, text, offset=len(sample.text))
                 sample.add(msg)
-                finish = finish_reason(msg)
-                if msg.text or logprobs or finish or is_first:
-                    yield _sse(chunk_json(t, response_id, created, msg.index, msg.text, finish, logprobs, is_first))
-                msg = await anext(gen, None)
+                text = (echoes[p] if is_first else "") + msg.text
+                if text or logprobs or msg.finish_reason or is_first:
+                    yield _sse(chunk_json(t, response_id, created, index, text, msg.finish_reason, logprobs, is_first))
             if t.include_usage:
-                yield _sse(usage_chunk_json(t, response_id, created, [samples[i] for i in sorted(samples)]))
+                groups = [[samples[p * t.n + i] for i in range(t.n)] for p in range(len(streams))]
+                yield _sse(usage_chunk_json(t, response_id, created, groups))
         except grpc.RpcError as e:
             # Headers are sent: the error travels as an event (the OpenAI client raises it).
             err = from_grpc(e, t.renames)
             log.warning("stream_failed", request_id=response_id, status=err.status, code=e.code().name)
             yield _sse(err.body())
-        finally:
-            await gen.aclose()
         yield _DONE
+
+
+async def _all_or_none(awaitables):
+    """asyncio.gather, except that the first failure cancels the rest: when one prompt of a
+    list is refused, the others must not go on generating for nobody."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _const(value):
+    return value
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -230,12 +270,34 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gw = Gateway(config)
+
+    async def tokenize(request: Request) -> Response:
+        return await extra_routes.tokenize(gw, request, await _json_body(request), _auth(request))
+
+    async def detokenize(request: Request) -> Response:
+        return await extra_routes.detokenize(gw, request, await _json_body(request), _auth(request))
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": extra_routes.package_version()})
+
+    async def metrics(request: Request) -> Response:
+        return await extra_routes.metrics(config.metrics_upstream)
+
     routes = [
         Route("/health", gw.health, methods=["GET"]),
         Route("/v1/models", gw.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.get_model, methods=["GET"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/chat/completions", gw.chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
+    middleware = []
+    if config.allowed_origins:
+        # Browsers call from these origins; credentials stay off (the Authorization header still passes).
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"], expose_headers=["x-request-id"]))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=gw.lifespan)

@@ -6,8 +6,10 @@ every range and limit is the scheduler's to check, and its BadRequest field
 violation comes back named as the OpenAI parameter (`sampling.temperature` ->
 `temperature`).
 
-The `model` field is required and may be any string: the gateway fronts exactly
-one model, and responses echo the caller's value.
+The `model` field is required; the gateway fronts exactly one model and
+answers 404 for any other name (app.py checks it), and responses echo the
+caller's value. A completions request may carry a list of prompts: each is its
+own `Generate` call, and its samples are choices p*n .. p*n+n-1.
 """
 from __future__ import annotations
 
@@ -15,11 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
-from pagedserve.v1 import generation_pb2 as pb
-from pagedserve_client import Completion
+from pagedserve_client import Completion, PagedServeError
 
 COMPLETION, CHAT = "text_completion", "chat.completion"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
@@ -54,22 +53,10 @@ _FROM_GRPC = {
 }
 
 
-def _field_violation(err: grpc.RpcError) -> error_details_pb2.BadRequest.FieldViolation | None:
-    try:
-        status = rpc_status.from_call(err)  # works on grpc.aio.AioRpcError too: same sync accessors
-    except ValueError:
-        return None
-    for detail in status.details if status is not None else ():
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad) and bad.field_violations:
-            return bad.field_violations[0]
-    return None
-
-
-def from_grpc(err: grpc.RpcError, renames: Mapping[str, str]) -> APIError:
+def from_grpc(err: PagedServeError, renames: Mapping[str, str]) -> APIError:
     """`renames` maps gRPC field prefixes to the OpenAI parameter the caller used (most specific first)."""
     status, type_, code = _FROM_GRPC.get(err.code(), (500, "server_error", None))
-    violation = _field_violation(err)
+    violation = err.field_violations[0] if err.field_violations else None
     if violation is None:
         return APIError(status, err.details() or err.code().name, None, code, type_)
     param = next((name + violation.field[len(p):] for p, name in renames.items() if violation.field.startswith(p)), None)
@@ -83,11 +70,17 @@ class Translated:
 
     kind: str  # COMPLETION or CHAT
     model: str
-    kwargs: dict
+    prompts: list[dict]  # one Generate call each: {"prompt": str} | {"token_ids": [...]} | {"messages": [...]}
+    kwargs: dict  # the sampling and stopping arguments all of them share
     stream: bool
     include_usage: bool
     logprobs: bool  # whether the response carries log-probabilities
     renames: dict[str, str]  # gRPC field prefix -> the OpenAI parameter, for from_grpc
+    echo: bool = False  # completions: each choice's text starts with its prompt
+
+    @property
+    def n(self) -> int:
+        return self.kwargs.get("n") or 1
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -161,31 +154,35 @@ def _common(body: Mapping) -> tuple[dict, bool, bool]:
     return kwargs, stream, include_usage
 
 
+def _prompts(value) -> list[dict]:
+    """A prompt or a list of them: strings, or token-id lists."""
+    if isinstance(value, str):
+        return [{"prompt": value}]
+    if _token_ids(value) is not None:
+        return [{"token_ids": value}]
+    if isinstance(value, list) and value and all(isinstance(p, str) or _token_ids(p) is not None for p in value):
+        return [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in value]
+    raise _bad("prompt", "expected a string, a non-empty list of token ids, or a non-empty list of either")
+
+
 def completion_request(body: Mapping) -> Translated:
-    """POST /v1/completions. One prompt per request: a list of several prompts is rejected."""
+    """POST /v1/completions: one prompt or a list of them."""
     kwargs, stream, include_usage = _common(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # ["text"] or [[ids]]: a batch of one
-    if isinstance(prompt, str):
-        kwargs["prompt"] = prompt
-    elif _token_ids(prompt) is not None:
-        kwargs["token_ids"] = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", "one prompt per request: send each prompt of a batch as its own request")
-    else:
-        raise _bad("prompt", "expected a string or a non-empty list of token ids")
+    prompts = _prompts(body.get("prompt"))
     kwargs["max_tokens"] = _int(body, "max_tokens", _MAX_TOKENS)
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     kwargs["logprobs"] = _int(body, "logprobs", _UINT32)
-    _unsupported(body, "echo", (None, False))
+    echo = bool(_typed(body, "echo", bool, "a boolean"))
+    if echo and kwargs["logprobs"] is not None:
+        raise _bad("echo", "echo with logprobs is not supported (prompt log-probabilities are not computed)")
     _unsupported(body, "suffix", (None, ""))
     best_of = _int(body, "best_of", _UINT32)
     if best_of is not None and best_of != (kwargs["n"] or 1):
         raise _bad("best_of", "only best_of == n is supported")
     renames = {"prompt.token_ids.ids": "prompt", "prompt.token_ids": "prompt", "prompt.text": "prompt"}
-    return Translated(COMPLETION, body["model"], kwargs, stream, include_usage, kwargs["logprobs"] is not None, renames)
+    return Translated(COMPLETION, body["model"], prompts, kwargs, stream, include_usage, kwargs["logprobs"] is not None,
+                      renames, echo)
 
 
 def _message(i: int, m) -> dict:
@@ -214,7 +211,7 @@ def chat_request(body: Mapping) -> Translated:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
-    kwargs["messages"] = [_message(i, m) for i, m in enumerate(messages)]
+    prompts = [{"messages": [_message(i, m) for i, m in enumerate(messages)]}]
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     kwargs["max_tokens"] = _int(body, max_name, _MAX_TOKENS)
     want_logprobs = bool(_typed(body, "logprobs", bool, "a boolean"))
@@ -230,14 +227,7 @@ def chat_request(body: Mapping) -> Translated:
         raise _bad("response_format", "only {\"type\": \"text\"} is supported")
     renames = {"prompt.chat.messages": "messages", "prompt.chat": "messages", "prompt": "messages",
                "sampling.logprobs": "top_logprobs", "stopping.max_tokens": max_name}
-    return Translated(CHAT, body["model"], kwargs, stream, include_usage, want_logprobs, renames)
-
-
-def finish_reason(msg: pb.GenerateResponse) -> str | None:
-    """'stop' / 'length' on a sample's last message ('abort' if the scheduler cancelled it), else None."""
-    if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-        return None
-    return pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return Translated(CHAT, body["model"], prompts, kwargs, stream, include_usage, want_logprobs, renames)
 
 
 def logprob_token_ids(logprobs) -> set[int]:
@@ -266,23 +256,25 @@ def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0)
     }
 
 
-def usage_json(samples: list[Completion]) -> dict:
-    """All samples share the prompt (and its cache hits); their outputs add up."""
-    prompt = samples[0].prompt_tokens
-    completion = sum(s.completion_tokens for s in samples)
+def usage_json(groups: list[list[Completion]]) -> dict:
+    """One group of samples per prompt: the samples of a prompt share it (and its cache hits); outputs add up."""
+    prompt = sum(g[0].prompt_tokens for g in groups)
+    completion = sum(s.completion_tokens for g in groups for s in g)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": samples[0].cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_prompt_tokens for g in groups)}}
 
 
-def response_json(t: Translated, response_id: str, created: int, samples: list[Completion],
-                  logprobs: list[dict | None]) -> dict:
-    """The whole non-streaming response; `logprobs[i]` is sample i's logprobs object (or None)."""
+def response_json(t: Translated, response_id: str, created: int, groups: list[list[Completion]],
+                  logprobs: list[dict | None], echoes: list[str]) -> dict:
+    """The whole non-streaming response; `logprobs[i]` is choice i's logprobs object (or None),
+    `echoes[p]` the text that prompt p's choices start with."""
     choices = []
-    for i, (s, lp) in enumerate(zip(samples, logprobs)):
-        body = {"text": s.text} if t.kind == COMPLETION else {"message": {"role": "assistant", "content": s.text}}
+    samples = [(p, s) for p, g in enumerate(groups) for s in g]
+    for i, ((p, s), lp) in enumerate(zip(samples, logprobs)):
+        body = {"text": echoes[p] + s.text} if t.kind == COMPLETION else {"message": {"role": "assistant", "content": s.text}}
         choices.append({"index": i, **body, "logprobs": lp, "finish_reason": s.finish_reason})
     return {"id": response_id, "object": t.kind, "created": created, "model": t.model, "choices": choices,
-            "usage": usage_json(samples)}
+            "usage": usage_json(groups)}
 
 
 def chunk_json(t: Translated, response_id: str, created: int, index: int, text: str, finish: str | None,
@@ -297,7 +289,7 @@ def chunk_json(t: Translated, response_id: str, created: int, index: int, text: 
             "created": created, "model": t.model, "choices": [choice], **({"usage": None} if t.include_usage else {})}
 
 
-def usage_chunk_json(t: Translated, response_id: str, created: int, samples: list[Completion]) -> dict:
+def usage_chunk_json(t: Translated, response_id: str, created: int, groups: list[list[Completion]]) -> dict:
     """The last chunk when stream_options.include_usage: no choices, the whole request's usage."""
     return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
-            "created": created, "model": t.model, "choices": [], "usage": usage_json(samples)}
+            "created": created, "model": t.model, "choices": [], "usage": usage_json(groups)}

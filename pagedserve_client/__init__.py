@@ -1,4 +1,19 @@
-"""Python client for the PagedServe gRPC API (sync and asyncio)."""
-from pagedserve_client.client import AsyncClient, Client, Completion, GenerateStream, build_request
+"""Python client for the PagedServe gRPC API (sync and asyncio). Needs no torch."""
+from pagedserve_client.client import AsyncClient, Client, GenerateStream, build_request
+from pagedserve_client.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    DeadlineExceededError,
+    FieldViolation,
+    PagedServeError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from pagedserve_client.results import Completion, TokenLogprob, TopLogprob, Usage
 
-__all__ = ["AsyncClient", "Client", "Completion", "GenerateStream", "build_request"]
+__all__ = [
+    "AsyncClient", "AuthenticationError", "BadRequestError", "Client", "Completion", "ConflictError",
+    "DeadlineExceededError", "FieldViolation", "GenerateStream", "PagedServeError", "ResourceExhaustedError",
+    "TokenLogprob", "TopLogprob", "UnavailableError", "Usage", "build_request",
+]

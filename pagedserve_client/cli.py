@@ -1,12 +1,18 @@
-"""`pagedserve`: command-line client.
+"""`pagedserve`: the command line.
 
+    pagedserve serve [MODEL] [--port 50051] [--openai-port 8000 | --no-openai] ...   # start a server
     pagedserve generate "Write a haiku about paging"        # streams text
     pagedserve generate --chat "What is a KV cache?"        # applies the chat template
     pagedserve status | model | tokenize TEXT | health
+    pagedserve --version
+
+Everything but `serve` is a client and needs no torch; `serve` imports the
+server side (shared/launch.py) only when asked for.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,14 +34,31 @@ def _health(client: Client, target: str, service: str, timeout: float) -> int:
     return 0 if code == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("pagedserve")
+    except PackageNotFoundError:
+        return "unknown (not installed as a package)"
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve", description="PagedServe command-line client.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # its flags pass through to the services: the launcher parses them
+        from shared.launch import main as serve
+
+        return serve(argv[1:])
+    p = argparse.ArgumentParser(prog="pagedserve", description="PagedServe: serve a model, or talk to a server.")
+    p.add_argument("--version", action="version", version=f"pagedserve {version()}")
     p.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", "127.0.0.1:50051"), help="Scheduler address [env PAGEDSERVE_TARGET].")
     p.add_argument("--token", default=os.environ.get("PAGEDSERVE_TOKEN"), help="Bearer token [env PAGEDSERVE_TOKEN].")
     p.add_argument("--tls-ca", default=None, help="CA bundle to verify a TLS server.")
     p.add_argument("--tls-cert", default=None, help="Client certificate (PEM) for mutual TLS; needs --tls-key.")
     p.add_argument("--tls-key", default=None, help="Client private key (PEM) for mutual TLS.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("serve", help="Start executor, scheduler and OpenAI gateway (pagedserve serve --help).", add_help=False)
     g = sub.add_parser("generate", help="Stream a completion.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="Send the prompt as one user message through the chat template.")
@@ -67,10 +90,10 @@ def main(argv=None) -> int:
                 for msg in c.generate(**prompt, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                                       top_k=a.top_k, seed=a.seed, stop=a.stop):
                     if a.json:
-                        print(json.dumps(MessageToDict(msg)))
+                        print(json.dumps(dataclasses.asdict(msg)))
                     else:
                         print(msg.text, end="", flush=True)
-                    if msg.finish_reason:
+                    if msg.usage is not None:
                         usage = msg.usage
                 if not a.json and usage is not None:
                     print(f"\n[{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "

@@ -7,13 +7,16 @@
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from pagedserve_client.errors import from_rpc_error
+from pagedserve_client.results import Completion
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "logprobs", "n")
@@ -21,8 +24,10 @@ _STOPPING = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_outp
 
 
 def build_request(prompt: str | None = None, *, token_ids=None, messages=None, request_id: str = "",
-                  stop=(), stop_token_ids=(), priority: int = 0, **kwargs) -> pb.GenerateRequest:
-    """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs."""
+                  stop: str | list[str] | tuple[str, ...] | None = (), stop_token_ids=(), priority: int = 0,
+                  **kwargs) -> pb.GenerateRequest:
+    """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs.
+    `stop` is one stop string or a list of them (as in OpenAI's API)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt, token_ids, messages")
     unknown = set(kwargs) - set(_SAMPLING) - set(_STOPPING)
@@ -43,34 +48,29 @@ def build_request(prompt: str | None = None, *, token_ids=None, messages=None, r
                     setattr(group, name, value)
                 except (TypeError, ValueError) as e:  # e.g. a negative or too large integer
                     raise ValueError(f"{name}={value!r}: {e}") from None
-    req.stopping.stop.extend(stop)
+    # A str is itself a sequence of strings: without this, stop="END" would stop at "E", "N" or "D".
+    req.stopping.stop.extend([stop] if isinstance(stop, str) else (stop or ()))
     req.stopping.stop_token_ids.extend(stop_token_ids)
     return req
 
 
-@dataclass
-class Completion:
-    """One sample's whole output, gathered from its stream."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    matched_stop: str = ""
-    logprobs: list = field(default_factory=list)
-
-    def add(self, msg: pb.GenerateResponse) -> None:
-        self.text += msg.text
-        self.token_ids.extend(msg.token_ids)
-        self.logprobs.extend(msg.logprobs)
-        if msg.finish_reason:
-            self.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
-            self.prompt_tokens = msg.usage.prompt_tokens
-            self.completion_tokens = msg.usage.completion_tokens
-            self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
-            self.matched_stop = msg.matched_stop
+def _typed_errors(method):
+    """Raises a `PagedServeError` (errors.py) in place of grpc's raw call error."""
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def wrapper(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+    else:
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+    return wrapper
 
 
 def _read(path: str | None) -> bytes | None:
@@ -107,8 +107,11 @@ class GenerateStream:
     def __iter__(self) -> GenerateStream:
         return self
 
-    def __next__(self) -> pb.GenerateResponse:
-        return next(self._call)
+    def __next__(self) -> Completion:
+        try:
+            return Completion.from_proto(next(self._call))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
 
     def close(self) -> None:
         call = self.__dict__.get("_call")
@@ -138,6 +141,7 @@ class Client:
         self._md = _metadata(token)
 
     def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> GenerateStream:
+        """Streams `Completion` deltas, one per server message (results.py)."""
         return GenerateStream(self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md))
 
     def complete(self, prompt=None, *, timeout: float | None = None, **kwargs) -> list[Completion]:
@@ -147,20 +151,25 @@ class Client:
             out.setdefault(msg.index, Completion()).add(msg)
         return [out[i] for i in sorted(out)]
 
+    @_typed_errors
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self._stub.Tokenize(req, metadata=self._md).token_ids)
 
+    @_typed_errors
     def detokenize(self, token_ids, skip_special_tokens: bool = True) -> str:
         req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
         return self._stub.Detokenize(req, metadata=self._md).text
 
+    @_typed_errors
     def model_info(self) -> pb.ModelInfo:
         return self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md)
 
+    @_typed_errors
     def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
         return self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
 
+    @_typed_errors
     def health(self, service: str = "", timeout: float | None = None) -> int:
         """The standard gRPC health status (a `HealthCheckResponse.ServingStatus` value); needs no token."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -191,11 +200,13 @@ class AsyncClient:
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
 
-    async def generate(self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs) -> AsyncIterator[Completion]:
         call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md + tuple(metadata))
         try:
             async for msg in call:
-                yield msg
+                yield Completion.from_proto(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
         finally:
             # A consumer that stops early (or is cancelled) must not leave the request generating:
             # cancelling makes the scheduler free its KV blocks. A no-op once the call has ended.
@@ -207,21 +218,31 @@ class AsyncClient:
             out.setdefault(msg.index, Completion()).add(msg)
         return [out[i] for i in sorted(out)]
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True, *, metadata=()) -> list[int]:
-        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    @_typed_errors
+    async def tokenize(self, text: str | None = None, add_special_tokens: bool = True, *, messages=None,
+                       metadata=()) -> list[int]:
+        """The token ids of `text`, or of `messages` rendered through the chat template."""
+        if messages is not None:
+            req = pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+        else:
+            req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list((await self._stub.Tokenize(req, metadata=self._md + tuple(metadata))).token_ids)
 
+    @_typed_errors
     async def detokenize(self, token_ids, skip_special_tokens: bool = True, *, metadata=()) -> str:
         req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
         return (await self._stub.Detokenize(req, metadata=self._md + tuple(metadata))).text
 
+    @_typed_errors
     async def server_status(self, include_requests: bool = False, *, metadata=()) -> pb.ServerStatus:
         req = pb.GetServerStatusRequest(include_requests=include_requests)
         return await self._stub.GetServerStatus(req, metadata=self._md + tuple(metadata))
 
+    @_typed_errors
     async def model_info(self, *, metadata=()) -> pb.ModelInfo:
         return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._md + tuple(metadata))
 
+    @_typed_errors
     async def health(self, service: str = "", timeout: float | None = None) -> int:
         """The standard gRPC health status (a `HealthCheckResponse.ServingStatus` value); needs no token."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 
 import structlog
 
@@ -11,6 +12,7 @@ from scheduler_svc.config import parse_config
 from shared.logging import configure_logging
 
 log = structlog.get_logger("scheduler_svc")
+STARTUP_NOTICE_S = 30.0  # while the executor is unreachable at start-up, an INFO line this often
 
 
 def _server_credentials(config):
@@ -38,6 +40,7 @@ async def run(config) -> int:
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient, ExecutorLost, ExecutorRefused
     from scheduler_svc.server import SERVICE_NAME, GenerationServicer
+    from scheduler_svc.stats_logger import StatsLogger
     from scheduler_svc.text_work import TextWorkers
     from shared.grpc_auth import BearerAuthInterceptor, TokenTable
     from shared.grpc_codec import CodecInterceptor
@@ -89,15 +92,28 @@ async def run(config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("scheduler_listening", listen=config.listen, executor=config.executor)
+    waited_since = time.monotonic()
     while not stop.is_set():
         try:
             await engine.connect()
             break
         except ExecutorLost as e:
-            # Not up yet is normal at start-up; a refusal (another scheduler holds it, a bad token) is not.
-            (log.warning if isinstance(e, ExecutorRefused) else log.info)("waiting_for_executor", error=str(e))
+            # Not up yet is normal at start-up (the executor loads its model): DEBUG, with a
+            # reminder at INFO every STARTUP_NOTICE_S. A refusal (another scheduler holds it,
+            # a bad token) is not normal.
+            if isinstance(e, ExecutorRefused):
+                log.warning("waiting_for_executor", error=str(e))
+            else:
+                waited = time.monotonic() - waited_since
+                log.debug("waiting_for_executor", error=str(e))
+                if waited >= STARTUP_NOTICE_S:
+                    log.info("still_waiting_for_executor", executor=config.executor, waited_s=round(waited))
+                    waited_since = time.monotonic()
             await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
     loop_task = asyncio.ensure_future(engine.run()) if engine.scheduler is not None else None
+    stats_task = None
+    if engine.scheduler is not None and config.log_stats_interval_s > 0:
+        stats_task = asyncio.ensure_future(StatsLogger(engine, config.log_stats_interval_s).run())
     crashed: list[BaseException] = []
 
     def on_loop_done(task: asyncio.Task) -> None:
@@ -118,8 +134,9 @@ async def run(config) -> int:
     if engine.scheduler is not None:
         await engine.drain(drain_s)
     await server.stop(grace=1.0)
-    if loop_task is not None:
-        loop_task.cancel()
+    for task in (loop_task, stats_task):
+        if task is not None:
+            task.cancel()
     await engine.client.close()
     workers.close()
     log.info("stopped")

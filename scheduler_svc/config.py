@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
 from shared.executor_secret import default_secret_dir, installation_secret
+from shared.metrics_http import validate_metrics_prefix
 from shared.net import validate_address
 
 
@@ -45,6 +46,9 @@ class SchedulerServiceConfig:
     log_level: str = "info"
     log_json: bool | None = None
     metrics_listen: str = ""
+    metrics_prefix: str = "pagedserve"  # metric names' namespace; "vllm" for vLLM's dashboards
+    served_model_name: str = ""  # the metrics' model_name label; "" = the model's id (shared.model_id)
+    log_stats_interval_s: float = 10.0  # a throughput/queue/KV line every this many seconds; 0 = off
 
     def __post_init__(self) -> None:
         validate_address(self.listen)
@@ -65,6 +69,9 @@ class SchedulerServiceConfig:
             raise ValueError("--step-timeout must be > 0 and --executor-recovery-timeout >= 0")
         if not set(self.admin_tokens) <= set(self.auth_tokens):
             raise ValueError("every admin token must also be an accepted token")
+        validate_metrics_prefix(self.metrics_prefix)
+        if self.log_stats_interval_s < 0:
+            raise ValueError(f"--log-stats-interval must be >= 0, got {self.log_stats_interval_s}")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
@@ -109,8 +116,8 @@ def read_executor_token(path: str) -> str:
     return lines[0][1]
 
 
-def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SchedulerServiceConfig:
-    environ = os.environ if environ is None else environ
+def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
+    """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
     p = EnvArgumentParser(prog="python -m scheduler_svc", description="PagedServe scheduler: public gRPC API, admission, paged KV block tables, continuous batching.", environ=environ)
     d = SchedulerServiceConfig
     p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path for the public Generation API.")
@@ -151,6 +158,16 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
+    p.add_argument("--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards).")
+    p.add_argument("--served-model-name", default=d.served_model_name, help="The metrics' model_name label; default: the model's id.")
+    p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval_s,
+                   help="Seconds between stats lines (throughput, running/waiting, KV usage, prefix hits); 0 = off.")
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SchedulerServiceConfig:
+    environ = os.environ if environ is None else environ
+    p = build_parser(environ)
     a = p.parse_args(argv)
     try:
         executor_token = read_executor_token(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
@@ -177,6 +194,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             allow_special_tokens_in_content=a.allow_special_tokens_in_content, tls_cert=a.tls_cert, tls_key=a.tls_key,
             tls_client_ca=a.tls_client_ca, keepalive_time_s=a.keepalive_time, max_connection_age_s=a.max_connection_age,
             log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
+            metrics_prefix=a.metrics_prefix, served_model_name=a.served_model_name,
+            log_stats_interval_s=a.log_stats_interval,
         )
     except ValueError as e:
         p.error(str(e))

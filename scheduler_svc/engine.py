@@ -34,6 +34,7 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.step_watchdog import StepWatchdog
 from scheduler_svc.tokenizer import Tokenizer
+from shared.model_id import model_id
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
 
@@ -145,7 +146,10 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._on_connection_change = []  # callbacks(connected: bool)
         self._watchdog = StepWatchdog(config.step_timeout_s)
-        self.metrics = SchedulerMetrics(self)
+        self.metrics = SchedulerMetrics(self, config.metrics_prefix)
+        # Totals for the periodic stats line (stats_logger.py): tokens the executor computed, tokens streamed.
+        self.computed_tokens = 0
+        self.generated_tokens = 0
 
     # ---- start-up and recovery -------------------------------------------------
 
@@ -158,6 +162,7 @@ class Engine:
             config = self._scheduler_config(info)
             self.max_model_len = config.max_model_len
             self.scheduler = Scheduler(config)
+            self.metrics.bind(self.config.served_model_name or model_id(info.model_name))
         elif _model_facts(info) != _model_facts(self.info):
             # Requests were tokenized and validated for the old model: restart the scheduler to serve this one.
             await self.client.close()
@@ -307,7 +312,7 @@ class Engine:
     def _observe_finished(self, sample: _Sample, reason: FinishReason) -> None:
         """Every sample that ends, client aborts included, counts once in the per-request metrics."""
         m, req = self.metrics, sample.request
-        m.request_success.labels(reason.value).inc()
+        m.request_success(reason.value).inc()
         m.prompt_tokens.inc(req.num_prompt_tokens)
         m.prompt_len.observe(req.num_prompt_tokens)
         m.generation_len.observe(req.num_output_tokens)
@@ -361,6 +366,7 @@ class Engine:
             m.itl.observe((now - sample.last_token_time) / count)
         sample.last_token_time = now
         m.generation_tokens.inc(count)
+        self.generated_tokens += count
         sample.handle.output_tokens += count
 
     def _observe_scheduled(self, plan) -> None:
@@ -459,6 +465,8 @@ class Engine:
         if result.error:
             log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
         self._deliver(self.scheduler.update_from_result(plan, result))
+        if not result.error:
+            self.computed_tokens += plan.total_num_scheduled_tokens
         log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
                   num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
         return bool(result.error)

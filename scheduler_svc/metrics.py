@@ -2,20 +2,31 @@
 
 Gauges and the cache/preemption counters are read from the scheduler at scrape
 time (no per-step cost); per-request latencies are observed by the engine as
-tokens arrive.
+tokens arrive. Every series carries a `model_name` label, and the prefix is
+`--metrics-prefix` (`vllm` makes vLLM's Grafana dashboards work unchanged).
+The per-request metrics exist once the model is known (`bind`, at the first
+executor handshake); no request is admitted before.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# Token latencies (TTFT, inter-token) are milliseconds to seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Whole requests on CPU take seconds to minutes (500 tokens at 10 tok/s is 50 s): vLLM's e2e buckets
+# reach 7680 s; these keep resolution where CPU requests land and reach 30 minutes.
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 90.0, 120.0, 180.0,
+                    240.0, 300.0, 480.0, 600.0, 900.0, 1200.0, 1800.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+LABELS = ["model_name"]
 
 
 class _SchedulerCollector:
-    def __init__(self, engine):
+    def __init__(self, engine, prefix: str, model_name):
         self._engine = engine
+        self._prefix = prefix
+        self._model_name = model_name  # a callable: the label is known after the handshake
 
     def collect(self):
         engine = self._engine
@@ -23,38 +34,60 @@ class _SchedulerCollector:
         if sched is None:
             return
         s = sched.stats()
+        p, label = self._prefix, [self._model_name()]
         for name, doc, value in (
-            ("pagedserve:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("pagedserve:num_requests_waiting", "Requests waiting (including preempted).", s.num_waiting),
-            ("pagedserve:kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting (including preempted).", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
              s.kv_blocks_used / max(s.kv_blocks_total, 1)),
-            ("pagedserve:kv_cache_blocks_total", "Usable KV blocks.", s.kv_blocks_total),
-            ("pagedserve:kv_cache_blocks_used", "KV blocks held by live requests.", s.kv_blocks_used),
-            ("pagedserve:kv_cache_blocks_cached_free", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),
-            ("pagedserve:executor_connected", "1 when the executor is connected.", float(engine.connected)),
+            ("kv_cache_blocks_total", "Usable KV blocks.", s.kv_blocks_total),
+            ("kv_cache_blocks_used", "KV blocks held by live requests.", s.kv_blocks_used),
+            ("kv_cache_blocks_cached_free", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),
+            ("executor_connected", "1 when the executor is connected.", float(engine.connected)),
         ):
-            yield GaugeMetricFamily(name, doc, value=value)
+            family = GaugeMetricFamily(f"{p}:{name}", doc, labels=LABELS)
+            family.add_metric(label, value)
+            yield family
         for name, doc, value in (
-            ("pagedserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries_tokens),
-            ("pagedserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
-            ("pagedserve:num_preemptions", "Requests preempted (evicted, later recomputed).", s.num_preemptions),
-            ("pagedserve:num_steps", "Steps executed.", s.num_steps),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
+            ("num_preemptions", "Requests preempted (evicted, later recomputed).", s.num_preemptions),
+            ("num_steps", "Steps executed.", s.num_steps),
         ):
-            yield CounterMetricFamily(name, doc, value=value)
+            family = CounterMetricFamily(f"{p}:{name}", doc, labels=LABELS)
+            family.add_metric(label, value)
+            yield family
 
 
 class SchedulerMetrics:
-    def __init__(self, engine):
-        self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(engine))
-        r = self.registry
-        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("pagedserve:generation_tokens", "Generated tokens.", registry=r)
-        self.request_success = Counter("pagedserve:request_success", "Finished samples by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Time between tokens of a sample.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagedserve:request_queue_time_seconds", "Arrival to first scheduling.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_len = Histogram("pagedserve:request_prompt_tokens", "Prompt length of finished samples.", buckets=_TOKEN_BUCKETS, registry=r)
-        self.generation_len = Histogram("pagedserve:request_generation_tokens", "Output length of finished samples.", buckets=_TOKEN_BUCKETS, registry=r)
+    def __init__(self, engine, prefix: str = "pagedserve"):
+        self.registry = r = CollectorRegistry()
+        self.model_name = ""
+        r.register(_SchedulerCollector(engine, prefix, lambda: self.model_name))
+
+        def counter(name, doc, extra=()):
+            return Counter(f"{prefix}:{name}", doc, LABELS + list(extra), registry=r)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"{prefix}:{name}", doc, LABELS, buckets=buckets, registry=r)
+
+        self._families = dict(
+            prompt_tokens=counter("prompt_tokens", "Prompt tokens of finished requests."),
+            generation_tokens=counter("generation_tokens", "Generated tokens."),
+            ttft=histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+            itl=histogram("inter_token_latency_seconds", "Time between tokens of a sample.", _LATENCY_BUCKETS),
+            e2e=histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS),
+            queue_time=histogram("request_queue_time_seconds", "Arrival to first scheduling.", _REQUEST_BUCKETS),
+            prompt_len=histogram("request_prompt_tokens", "Prompt length of finished samples.", _TOKEN_BUCKETS),
+            generation_len=histogram("request_generation_tokens", "Output length of finished samples.", _TOKEN_BUCKETS),
+        )
+        self._request_success = counter("request_success", "Finished samples by finish reason.", ["finished_reason"])
+
+    def bind(self, model_name: str) -> None:
+        """Labels every series with the served model (called once, when the model is known)."""
+        self.model_name = model_name
+        for attr, family in self._families.items():
+            setattr(self, attr, family.labels(model_name))
+
+    def request_success(self, reason: str):
+        return self._request_success.labels(self.model_name, reason)

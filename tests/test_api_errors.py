@@ -134,3 +134,21 @@ def test_cli_reports_values_a_request_cannot_carry_without_a_traceback():
     for flag, value in (("--max-tokens", "-3"), ("--seed", "-1"), ("--top-k", "99999999999")):
         out = subprocess.run([*cli, flag, value], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_client_raises_typed_errors_naming_the_field(client):
+    from pagedserve_client import BadRequestError, ConflictError
+
+    with pytest.raises(BadRequestError) as info:
+        client.complete("Hello", temperature=-0.5, timeout=60)
+    assert info.value.code() == INVALID and info.value.field_violations[0].field == "sampling.temperature"
+    with pytest.raises(BadRequestError) as info:
+        client.complete(token_ids=[100] * 8300, timeout=60)
+    assert info.value.code() == OUT_OF_RANGE and info.value.field_violations[0].field == "prompt.token_ids"
+    with pytest.raises(BadRequestError) as info:
+        client.detokenize([10**6])
+    assert info.value.field_violations[0].field == "token_ids"
+    with client.generate("Tell me a long story.", request_id="dup-typed", max_tokens=200, ignore_eos=True) as stream:
+        next(stream)
+        with pytest.raises(ConflictError):
+            client.complete("Hi", request_id="dup-typed", timeout=60)

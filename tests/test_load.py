@@ -26,7 +26,7 @@ import grpc
 import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
-from pagedserve_client import AsyncClient, Client
+from pagedserve_client import AsyncClient, Client, Completion
 from tests.servers import Servers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -34,7 +34,7 @@ NUM_CLIENTS = 256
 NUM_CHANNELS = 4
 WAVE_TIMEOUT_S = 240  # a hung stream fails the test instead of stalling it
 RSS_GROWTH_LIMIT_MB = 50
-LENGTH, STOP = pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP
+LENGTH, STOP = "length", "stop"
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Outcome:
     spec: Spec
     kind: str  # "finished", "cancelled", or a grpc status code name
     tokens: int = 0
-    last: pb.GenerateResponse | None = None
+    last: Completion | None = None
 
 
 def make_specs(text_ids: list[int], rng: random.Random) -> list[Spec]:

@@ -14,12 +14,19 @@ from tests.servers import Servers, free_port
 pytestmark = pytest.mark.e2e
 
 
+MODEL_NAME = "smollm2-135m-8k-lc100k-mix1-ep2"  # the embedded model's id, every series' model_name
+
+
 def scrape(port: int) -> dict[str, float]:
+    """Sample name (with its labels but `le` and `model_name`) -> value; checks every
+    engine series is labelled with the model."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {}
     for family in text_string_to_metric_families(body):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if s.name.startswith("pagedserve:"):
+                assert s.labels.get("model_name") == MODEL_NAME, s
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("le", "model_name"))
             if "le" not in s.labels:
                 samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return samples

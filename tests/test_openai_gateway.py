@@ -28,12 +28,12 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
-def start_gateway(scheduler: str, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_gateway(scheduler: str, log_path: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "openai_gateway", "--listen", f"127.0.0.1:{port}", "--scheduler", scheduler,
-         "--log-level", "warning"], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+         "--log-level", "warning", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -76,7 +76,8 @@ def servers():
 
 @pytest.fixture(scope="module")
 def base(servers):
-    proc, url = start_gateway(servers.public_addr, os.path.join(servers.tmp, "gateway.log"))
+    proc, url = start_gateway(servers.public_addr, os.path.join(servers.tmp, "gateway.log"), "--served-model-name", "m",
+                              "--allowed-origins", "https://app.example")
     yield url
     stop(proc)
 
@@ -108,18 +109,20 @@ def wait_idle(grpc_client, timeout: float) -> bool:
 
 def test_translated_requests_build_grpc_requests():
     t = completion_request({"model": "m", "prompt": [[1, 2, 3]], "n": 2, "seed": 5, "stop": "x", "logprobs": 1})
-    req = build_request(**t.kwargs)
+    req = build_request(**t.prompts[0], **t.kwargs)
     assert list(req.token_ids.ids) == [1, 2, 3] and req.sampling.n == 2 and req.sampling.seed == 5
     assert list(req.stopping.stop) == ["x"] and req.sampling.logprobs == 1 and req.stopping.max_tokens == 16
     t = chat_request({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
                       "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3})
-    req = build_request(**t.kwargs)
+    req = build_request(**t.prompts[0], **t.kwargs)
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief.")]
     assert req.stopping.max_tokens == 7 and req.sampling.logprobs == 3 and not req.stopping.HasField("min_tokens")
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": []}, "prompt"),
+    ({"model": "m", "prompt": ["a", 3]}, "prompt"),
+    ({"model": "m", "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
     ({"model": "m", "prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
     ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
@@ -136,7 +139,8 @@ def test_untranslatable_requests_name_the_parameter(body, param):
 def test_only_an_assistant_turn_may_lack_content(message, ok):
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, message]}
     if ok:
-        assert build_request(**chat_request(body).kwargs).chat.messages[1].content == ""
+        t = chat_request(body)
+        assert build_request(**t.prompts[0], **t.kwargs).chat.messages[1].content == ""
         return
     with pytest.raises(APIError) as e:
         chat_request(body)
@@ -146,22 +150,27 @@ def test_only_an_assistant_turn_may_lack_content(message, ok):
 # -- live ----------------------------------------------------------------------------------------
 
 
-def test_models_lists_the_schedulers_model(oai, grpc_client):
-    from openai_gateway.app import model_id
+def test_models_lists_the_served_name_and_404s_others(oai):
+    from shared.model_id import model_id
 
     assert model_id("Smollm2 135M 8k Lc100K Mix1 Ep2") == "smollm2-135m-8k-lc100k-mix1-ep2"
-    name = model_id(grpc_client.model_info().model_name)
-    assert [m.id for m in oai.models.list().data] == [name]
-    assert oai.models.retrieve(name).id == name
+    assert model_id("Qwen/Qwen2.5-0.5B-Instruct") == "qwen/qwen2.5-0.5b-instruct"
+    assert [m.id for m in oai.models.list().data] == ["m"]  # --served-model-name m
+    assert oai.models.retrieve("m").id == "m"
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")
+    for call in (lambda: oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2),
+                 lambda: oai.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2, stream=True)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.code == "model_not_found" and e.value.param == "model" and "`gpt-4` does not exist" in e.value.message
 
 
 def test_completion_stream_joins_to_the_non_streaming_text(oai):
-    whole = oai.completions.create(model="any-name", prompt=PROMPT, max_tokens=10, temperature=0)
-    chunks = list(oai.completions.create(model="any-name", prompt=PROMPT, max_tokens=10, temperature=0, stream=True))
+    whole = oai.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(oai.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0, stream=True))
     choice = whole.choices[0]
-    assert whole.model == "any-name" and choice.text
+    assert whole.model == "m" and choice.text
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
@@ -276,3 +285,86 @@ def test_health_follows_the_scheduler(base, servers):
         assert status == 503 and body["status"] != "SERVING"
     finally:
         stop(proc)
+
+
+def test_prompt_list_gives_n_choices_per_prompt_in_order(oai):
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3,"]
+    whole = oai.completions.create(model="m", prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        alone = oai.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+        assert whole.choices[2 * p].text == whole.choices[2 * p + 1].text == alone  # greedy: both samples agree
+    singles = [oai.completions.create(model="m", prompt=p, max_tokens=4, temperature=0).usage for p in prompts]
+    assert whole.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)
+    assert whole.usage.completion_tokens == 2 * sum(u.completion_tokens for u in singles)
+    streamed: dict[int, str] = {}
+    finished = set()
+    for chunk in oai.completions.create(model="m", prompt=prompts, max_tokens=4, temperature=0, n=2, stream=True):
+        c = chunk.choices[0]
+        streamed[c.index] = streamed.get(c.index, "") + c.text
+        if c.finish_reason:
+            finished.add(c.index)
+    assert finished == set(range(6)) and [streamed[i] for i in range(6)] == [c.text for c in whole.choices]
+
+
+def test_echo_prepends_the_prompt(oai, grpc_client):
+    plain = oai.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    echoed = oai.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0, echo=True).choices[0].text
+    assert echoed == PROMPT + plain
+    ids = grpc_client.tokenize(" Paris is", add_special_tokens=False)
+    by_ids = oai.completions.create(model="m", prompt=ids, max_tokens=2, temperature=0, echo=True).choices[0].text
+    assert by_ids.startswith(" Paris is")
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model="m", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True))
+    assert streamed == echoed
+
+
+def test_tokenize_detokenize_and_version(base, grpc_client):
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    status, body = http("POST", base + "/tokenize", json.dumps({"model": "m", "prompt": PROMPT}).encode(), auth)
+    assert status == 200 and body["tokens"] == grpc_client.tokenize(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == grpc_client.model_info().max_model_len_tokens
+    status, chat = http("POST", base + "/tokenize", json.dumps({"messages": CHAT}).encode(), auth)
+    assert status == 200 and chat["count"] > len(grpc_client.tokenize(CHAT[0]["content"]))  # the template's tokens
+    status, back = http("POST", base + "/detokenize", json.dumps({"model": "m", "tokens": body["tokens"]}).encode(), auth)
+    assert status == 200 and back["prompt"] == PROMPT
+    status, bad = http("POST", base + "/detokenize", json.dumps({"tokens": [10**9]}).encode(), auth)
+    assert status == 400 and bad["error"]["param"] == "tokens"
+    status, missing = http("POST", base + "/tokenize", json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), auth)
+    assert status == 404 and missing["error"]["code"] == "model_not_found"
+    from importlib.metadata import version
+
+    assert http("GET", base + "/version") == (200, {"version": version("pagedserve")})
+
+
+def test_cors_allows_only_the_configured_origin(base):
+    def preflight(origin: str) -> tuple[int, dict]:
+        req = urllib.request.Request(base + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers)
+
+    status, headers = preflight("https://app.example")
+    assert status == 200 and headers["access-control-allow-origin"] == "https://app.example"
+    status, headers = preflight("https://evil.example")
+    assert status == 400 and "access-control-allow-origin" not in headers
+    with urllib.request.urlopen(urllib.request.Request(base + "/health", headers={"Origin": "https://app.example"})) as r:
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_metrics_404_without_upstream(base):
+    status, body = http("GET", base + "/metrics")
+    assert status == 404 and "--metrics-upstream" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_prompt_in_a_list_cancels_the_others(oai, grpc_client, stream):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="m", prompt=["Tell me a long story.", [10**6]], max_tokens=2000, stream=stream,
+                               extra_body={"ignore_eos": True})
+    assert e.value.param == "prompt"
+    assert wait_idle(grpc_client, timeout=5.0), "the valid prompt went on generating for nobody"

@@ -18,7 +18,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from pagedserve.v1 import generation_pb2 as pb
 from pagedserve_client import Client
 from tests.servers import Servers, health_status
 
@@ -53,7 +52,7 @@ def collect(client: Client, out: dict, key: str, prompt: str, max_tokens: int) -
 
 def assert_complete(msgs, max_tokens: int) -> None:
     assert isinstance(msgs, list), f"stream failed: {msgs!r}"
-    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].finish_reason == "length"
     assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs) == max_tokens
 
 

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
-from pagedserve_client import Client
+from pagedserve_client import Client, Completion
 from tests.servers import Servers
 
 pytestmark = pytest.mark.e2e
-STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
+STOP, LENGTH = "stop", "length"
 REPLACEMENT_CHAR = "\ufffd"
 BLOCK_SIZE = 16  # the scheduler's default --block-size
 
@@ -38,12 +38,12 @@ def client(servers):
         yield c
 
 
-def stream(client: Client, prompt=None, **kw) -> list[pb.GenerateResponse]:
+def stream(client: Client, prompt=None, **kw) -> list[Completion]:
     return list(client.generate(prompt, timeout=kw.pop("timeout", 180), **kw))
 
 
-def by_index(msgs) -> dict[int, list[pb.GenerateResponse]]:
-    out: dict[int, list[pb.GenerateResponse]] = {}
+def by_index(msgs) -> dict[int, list[Completion]]:
+    out: dict[int, list[Completion]] = {}
     for m in msgs:
         out.setdefault(m.index, []).append(m)
     return out
@@ -69,9 +69,9 @@ def assert_well_formed(msgs, n: int = 1, prompt_tokens: int | None = None) -> No
     samples = by_index(msgs)
     assert sorted(samples) == list(range(n)), f"sample indices {sorted(samples)}"
     for index, sample in samples.items():
-        assert sample[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED, f"sample {index} has no final message"
-        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in sample[:-1]), f"sample {index} finished twice"
-        assert sample[-1].HasField("usage")
+        assert sample[-1].finish_reason is not None, f"sample {index} has no final message"
+        assert all(m.finish_reason is None for m in sample[:-1]), f"sample {index} finished twice"
+        assert sample[-1].usage is not None
         assert sample[-1].usage.completion_tokens == len(token_ids(sample)), f"sample {index}: usage disagrees with the stream"
         if prompt_tokens is not None:
             assert sample[-1].usage.prompt_tokens == prompt_tokens
@@ -124,6 +124,16 @@ def greedy_base(client) -> tuple[list[int], str]:
     return token_ids(base), "".join(m.text for m in base)
 
 
+def test_one_stop_string_is_one_string_not_its_characters(client, greedy_base):
+    """stop="abcde" stops at "abcde", as stop=["abcde"] does; not at its first character."""
+    base_ids, text = greedy_base
+    stop = pick_stop(client, base_ids, text)
+    single = client.complete(STOP_PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True, stop=stop, timeout=180)[0]
+    assert single.finish_reason == STOP and single.matched_stop == stop and single.text == text[:text.find(stop)]
+    whole = client.complete(STOP_PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True, stop=[stop], timeout=180)[0]
+    assert (single.text, single.token_ids) == (whole.text, whole.token_ids)
+
+
 @pytest.mark.parametrize("include", [False, True], ids=["stop-excluded", "stop-included"])
 def test_stop_string_ends_the_text_right_before_it_and_frees_blocks(client, greedy_base, include):
     base_ids, text = greedy_base
@@ -137,7 +147,7 @@ def test_stop_string_ends_the_text_right_before_it_and_frees_blocks(client, gree
     assert_well_formed(msgs)
     last = msgs[-1]
     assert last.finish_reason == STOP and last.matched_stop == stop
-    assert not last.HasField("matched_stop_token_id")
+    assert last.matched_stop_token_id is None
     got = "".join(m.text for m in msgs)
     assert got == (text[: at + len(stop)] if include else text[:at]), (stop, text)
     if not include:
