@@ -38,6 +38,9 @@ class SchedulerServiceConfig:
     log_level: str = "info"
     log_json: bool | None = None
     metrics_listen: str = ""
+    grammar_compile_timeout_s: float = 10.0  # structured output: longer compiles are refused
+    grammar_compile_workers: int = 2  # threads compiling grammars off the event loop
+    grammar_cache_size: int = 256  # distinct compiled constraints kept (LRU)
 
     def __post_init__(self) -> None:
         validate_address(self.listen)
@@ -54,6 +57,9 @@ class SchedulerServiceConfig:
             raise ValueError("--max-waiting and --max-n must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_workers < 1 or self.grammar_cache_size < 1:
+            raise ValueError("--grammar-compile-timeout must be > 0, --grammar-compile-workers and "
+                             "--grammar-cache-size >= 1")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
@@ -97,6 +103,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
+    p.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout_s,
+                   help="Seconds a structured-output constraint may take to compile before the request is refused.")
+    p.add_argument("--grammar-compile-workers", type=int, default=d.grammar_compile_workers,
+                   help="Threads compiling structured-output constraints.")
+    p.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
+                   help="Compiled structured-output constraints kept for reuse (LRU).")
     a = p.parse_args(argv)
     executor_token = a.executor_auth_token
     if a.executor_auth_token_file:
@@ -116,6 +128,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             executor_auth_token=executor_token, auth_tokens=tokens, tls_cert=a.tls_cert, tls_key=a.tls_key,
             tls_client_ca=a.tls_client_ca, keepalive_time_s=a.keepalive_time, max_connection_age_s=a.max_connection_age,
             log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
+            grammar_compile_timeout_s=a.grammar_compile_timeout, grammar_compile_workers=a.grammar_compile_workers,
+            grammar_cache_size=a.grammar_cache_size,
         )
     except ValueError as e:
         p.error(str(e))
