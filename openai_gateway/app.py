@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from openai_gateway.config import GatewayConfig
 from openai_gateway.translate import (
-    COMPLETION, APIError, Translated, chat_request, chunk_json, completion_request, finish_reason, from_grpc,
-    logprob_token_ids, logprobs_json, response_json, usage_chunk_json,
+    COMPLETION, APIError, Translated, chat_request, chunk_json, completion_request, delta_chunk_json, finish_reason,
+    from_grpc, logprob_token_ids, logprobs_json, response_json, usage_chunk_json,
 )
 from pagedserve_client import AsyncClient, Completion
 
@@ -175,6 +175,7 @@ class Gateway:
         """SSE chunks, one per gRPC message that carries something. On disconnect the server
         cancels this generator, which cancels the gRPC call (see AsyncClient.generate)."""
         samples: dict[int, Completion] = {}
+        tool_state: dict = {}  # per-sample tool-call parsers (chat with tools)
         try:
             msg = first
             while msg is not None:
@@ -186,7 +187,11 @@ class Gateway:
                     logprobs = logprobs_json(t.kind, msg.logprobs, text, offset=len(sample.text))
                 sample.add(msg)
                 finish = finish_reason(msg)
-                if msg.text or logprobs or finish or is_first:
+                if t.tools is not None:
+                    for chunk in self._tool_chunks(t, response_id, created, msg.index, msg.text, finish, logprobs,
+                                                   is_first, tool_state):
+                        yield _sse(chunk)
+                elif msg.text or logprobs or finish or is_first:
                     yield _sse(chunk_json(t, response_id, created, msg.index, msg.text, finish, logprobs, is_first))
                 msg = await anext(gen, None)
             if t.include_usage:
@@ -199,6 +204,21 @@ class Gateway:
         finally:
             await gen.aclose()
         yield _DONE
+
+    @staticmethod
+    def _tool_chunks(t: Translated, response_id: str, created: int, index: int, text: str, finish, logprobs,
+                     is_first: bool, state: dict):
+        """A sample's chunks when tools are on: content and tool-call deltas (tools.py), the
+        first naming the role, the last carrying the finish_reason (tool_calls when it called)."""
+        deltas, finish = t.tools.stream_deltas(state, index, text, finish)
+        if is_first:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+        if finish is not None or (logprobs and not deltas):
+            deltas = deltas or [{}]
+        for j, delta in enumerate(deltas):
+            last = j == len(deltas) - 1
+            yield delta_chunk_json(t, response_id, created, index, delta, finish if last else None,
+                                   logprobs if j == 0 else None)
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
