@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -121,16 +122,34 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], *, workers: int = 2,
                  cache_size: int = 256, timeout_s: float = 10.0) -> None:
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._tokenizer_args = (tokenizer_json, vocab_size, list(eos_token_ids))
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_error = ""
+        self._tokenizer_lock = threading.Lock()
         self._width = mask_width_bytes(vocab_size)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self._cache: collections.OrderedDict[Constraint, asyncio.Future] = collections.OrderedDict()
         self._cache_size = cache_size
         self.timeout_s = timeout_s
 
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built on first use (~0.3 s for 49k tokens), in a worker: a server that never sees a
+        constraint never pays for it, and a tokenizer llguidance cannot read (e.g. word-level)
+        only disables structured output."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None and not self._tokenizer_error:
+                tokenizer_json, vocab_size, eos = self._tokenizer_args
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
+                except Exception as e:  # noqa: BLE001 - any failure means: no structured output for this model
+                    self._tokenizer_error = f"structured output is unavailable for this model's tokenizer: {e}"
+            if self._tokenizer is None:
+                raise GrammarError(self._tokenizer_error)
+            return self._tokenizer
+
     def compile_now(self, constraint: Constraint) -> CompiledGrammar:
         """Compiles on the calling thread (the pool's work; tests)."""
-        matcher = llguidance.LLMatcher(self._tokenizer, llguidance_grammar(constraint), log_level=0)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), llguidance_grammar(constraint), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return CompiledGrammar(matcher, self._width)
