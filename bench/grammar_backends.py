@@ -33,8 +33,9 @@ def _rss_mib() -> float:
 
 def _tokenizer():
     """(tokenizer JSON, eos id, hf tokenizer) of the embedded GGUF, as the executor ships it."""
-    from tests.conftest import GGUF_NAME, embedded_model_dir
     from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import GGUF_NAME, embedded_model_dir
 
     hf = PreTrainedTokenizerFast.from_pretrained(embedded_model_dir(), gguf_file=GGUF_NAME)
     return hf.backend_tokenizer.to_str(), hf.eos_token_id, hf

@@ -8,7 +8,9 @@ outputs shows. Real grammars (llguidance) are in test_structured_output_e2e.py.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -240,3 +242,74 @@ def test_a_token_the_grammar_refuses_aborts_only_that_request_with_an_error():
     assert outs["c"].finished and outs["c"].status == RequestStatus.FINISHED_ABORTED
     assert "not allowed by the output constraint" in outs["c"].error
     assert not outs["u"].finished and "c" not in s.requests
+
+
+# -- llguidance behind GrammarCompiler / GrammarMatcher ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_compiler():
+    """A GrammarCompiler over a 300-token byte-level BPE trained here (llguidance needs byte-level tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from scheduler_svc.grammar import GrammarCompiler
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "Ada", "age": 36}', "hello world", "0123456789 yes no maybe"] * 10, trainer)
+    assert tok.token_to_id("<eos>") == EOS
+    compiler = GrammarCompiler(tok.to_str(), 300, [EOS], timeout_s=0.2)
+    yield compiler, tok
+    compiler.close()
+
+
+def test_eos_is_allowed_only_where_the_output_is_complete(tiny_compiler):
+    from scheduler_svc.grammar import Constraint
+
+    compiler, tok = tiny_compiler
+    m = compiler.compile_now(Constraint("regex", "ab?c?")).matcher()
+    assert len(m.bitmask()) == mask_width_bytes(300)
+    assert unpack_allowed(m.bitmask(), 300) == [tok.token_to_id("a")]  # nothing yet: no EOS
+    assert m.consume(tok.token_to_id("a")) and not m.is_stopped
+    allowed = unpack_allowed(m.bitmask(), 300)
+    assert EOS in allowed and tok.token_to_id("b") in allowed  # "a" is complete, and may go on
+    assert m.consume(tok.token_to_id("c")) and m.is_stopped  # nothing may follow "ac"
+    assert unpack_allowed(m.bitmask(), 300) == [EOS]
+    m = compiler.compile_now(Constraint("choice", ("yes", 'say "no"'))).matcher()
+    assert not m.consume(tok.token_to_id("a")) and m.error and m.num_tokens == 1
+
+
+def test_compiler_caches_shares_and_times_out(tiny_compiler):
+    """One compile per distinct constraint (concurrent ones share it), errors cached, a slow one refused."""
+    from scheduler_svc.grammar import Constraint, GrammarError, GrammarTimeout
+
+    compiler, _ = tiny_compiler
+    calls = []
+    real = type(compiler).compile_now.__get__(compiler)
+
+    def counting(c):
+        calls.append(c)
+        if c.spec == "slow":
+            time.sleep(0.5)
+        return real(c)
+
+    compiler.compile_now = counting
+
+    async def main():
+        a = Constraint("regex", "[0-9]+")
+        first, second = await asyncio.gather(compiler.compile(a), compiler.compile(a))
+        assert first is second and len(calls) == 1
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="unclosed"):
+                await compiler.compile(Constraint("regex", "(a"))
+        assert len(calls) == 2
+        with pytest.raises(GrammarTimeout, match="--grammar-compile-timeout"):
+            await compiler.compile(Constraint("regex", "slow"))
+        await asyncio.sleep(0.5)  # it finished in its worker meanwhile: the next identical request gets it
+        assert (await compiler.compile(Constraint("regex", "slow"))).matcher().bitmask()
+        assert len(calls) == 3
+
+    asyncio.run(main())

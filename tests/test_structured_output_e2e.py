@@ -4,7 +4,6 @@ KV cache, stop strings, max_tokens, a killed executor, compile errors and timeou
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import re
@@ -205,41 +204,3 @@ def test_a_killed_executor_resumes_constrained_streams_identically(servers, stub
         servers.start_executor()
         resumed = [f.result(timeout=120) for f in futures]
     assert resumed == reference
-
-
-def test_compiler_caches_and_times_out():
-    """GrammarCompiler itself: one compile per distinct constraint, errors cached, a slow compile refused."""
-    from executor_svc.tokenizer_info import TokenizerInfo
-    from scheduler_svc.grammar import Constraint, GrammarCompiler, GrammarError, GrammarTimeout
-    from tests.conftest import GGUF_NAME, embedded_model_dir
-
-    info = TokenizerInfo.from_gguf(f"{embedded_model_dir()}/{GGUF_NAME}")
-    compiler = GrammarCompiler(info.tokenizer_json, 49152, [2], timeout_s=0.2)
-    calls = []
-    real = compiler.compile_now
-
-    def counting(c):
-        calls.append(c)
-        if c.spec == "slow":
-            time.sleep(0.5)
-            c = Constraint("regex", "a")
-        return real(c)
-
-    compiler.compile_now = counting
-
-    async def main():
-        a = Constraint("regex", "[0-9]+")
-        first, second = await asyncio.gather(compiler.compile(a), compiler.compile(a))
-        assert first is second and len(calls) == 1
-        with pytest.raises(GrammarError, match="unclosed"):
-            await compiler.compile(Constraint("regex", "(a"))
-        with pytest.raises(GrammarError, match="unclosed"):
-            await compiler.compile(Constraint("regex", "(a"))
-        assert len(calls) == 2
-        with pytest.raises(GrammarTimeout, match="--grammar-compile-timeout"):
-            await compiler.compile(Constraint("regex", "slow"))
-        await asyncio.sleep(0.4)  # it finished in its worker meanwhile: the next identical request gets it
-        assert (await compiler.compile(Constraint("regex", "slow"))).matcher().bitmask()
-
-    asyncio.run(main())
-    compiler.close()
