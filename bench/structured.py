@@ -5,7 +5,7 @@ the same workload unconstrained, alternating on one engine.
 
 Each round runs the plain workload (A), then the same prompts with every
 fourth request constrained by one of bench/grammar_schemas.py's schemas (B).
-Reported per round and as medians: wall time, output tokens/s, and the mean
+Reported per round and as medians: wall time, engine steps, output tokens/s, and the mean
 time per output token (TPOT) of the requests that are unconstrained in both
 (what the constrained ones cost their neighbours, the issue's target) and of
 the constrained ones (which run in lockstep under overlap scheduling, so they
@@ -43,16 +43,18 @@ async def _one(client, prompt, max_tokens, constraint, t0):
 
 async def _run(target, prompts, max_tokens, constraints):
     async with AsyncClient(target) as client:
+        steps = (await client.server_status()).num_steps
         t0 = time.perf_counter()
         recs = await asyncio.gather(*(_one(client, p, max_tokens, c, t0) for p, c in zip(prompts, constraints)))
-    return recs, max(r["end"] for r in recs)
+        steps = (await client.server_status()).num_steps - steps
+    return recs, max(r["end"] for r in recs), steps
 
 
-def _summary(recs, wall, constrained):
+def _summary(recs, wall, steps, constrained):
     plain = [r["tpot"] for r, c in zip(recs, constrained) if not c and r["tpot"] is not None]
     cons = [r["tpot"] for r, c in zip(recs, constrained) if c and r["tpot"] is not None]
     out = sum(r["tokens"] for r in recs)
-    return {"wall_s": round(wall, 2), "output_tokens": out, "tok_per_s": round(out / wall, 1),
+    return {"wall_s": round(wall, 2), "steps": steps, "output_tokens": out, "tok_per_s": round(out / wall, 1),
             "tpot_ms_unconstrained": round(1e3 * statistics.mean(plain), 2),
             "tpot_ms_constrained": round(1e3 * statistics.mean(cons), 2) if cons else None,
             "constrained_tokens": sum(r["tokens"] for r, c in zip(recs, constrained) if c)}
@@ -80,13 +82,14 @@ def main(argv=None) -> None:
         asyncio.run(_run(target, prompts[:4], 8, [None] * 4))  # warm-up
         for k in range(a.repeats):
             for name, cons in (("plain", [None] * a.num_requests), ("25pct_json", constraints)):
-                recs, wall = asyncio.run(_run(target, prompts, a.max_tokens, cons))
-                row = {"round": k, "workload": name, **_summary(recs, wall, constrained)}
+                recs, wall, steps = asyncio.run(_run(target, prompts, a.max_tokens, cons))
+                row = {"round": k, "workload": name, **_summary(recs, wall, steps, constrained)}
                 rounds.append(row)
                 print(json.dumps(row), flush=True)
     for name in ("plain", "25pct_json"):
         rows = [r for r in rounds if r["workload"] == name]
-        med = {key: statistics.median(r[key] for r in rows) for key in ("wall_s", "tok_per_s", "tpot_ms_unconstrained")}
+        med = {key: statistics.median(r[key] for r in rows)
+               for key in ("wall_s", "steps", "tok_per_s", "tpot_ms_unconstrained")}
         if name != "plain":
             med["tpot_ms_constrained"] = statistics.median(r["tpot_ms_constrained"] for r in rows)
         print(json.dumps({"median": name, **med}))
