@@ -4,6 +4,7 @@
     response_format {"type": "json_schema", "json_schema": {...}}  -> json_schema (its "schema")
     guided_json (schema object or JSON text)                       -> json_schema
     guided_regex / guided_choice / guided_grammar (Lark or GBNF)   -> regex / choice / grammar
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM >= 0.10's name)
 
 At most one of them per request. `strict` is accepted either way: the schema
 is always enforced while decoding (OpenAI's strict mode also requires every
@@ -80,6 +81,15 @@ def output_constraint(body: Mapping) -> tuple[pb.OutputConstraint | None, str | 
     for name in GUIDED:
         if body.get(name) is not None:
             found.append((name, _guided(name, body[name])))
+    so = body.get("structured_outputs")
+    if so is not None:
+        keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None] \
+            if isinstance(so, dict) else []
+        if len(keys) != 1:
+            raise ParamError("structured_outputs", "expected exactly one of json, regex, choice, grammar, json_object")
+        key = keys[0]
+        constraint = pb.OutputConstraint(json_object=True) if key == "json_object" else _guided(f"guided_{key}", so[key])
+        found.append(("structured_outputs", constraint))
     if len(found) > 1:
         raise ParamError(found[1][0], f"only one structured-output parameter per request (also got {found[0][0]})")
     return (found[0][1], found[0][0]) if found else (None, None)

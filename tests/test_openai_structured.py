@@ -51,12 +51,14 @@ def test_response_format_and_guided_params_become_constraints():
     g = build_request(**chat(guided_grammar='root ::= "a"').kwargs).constraint.grammar
     assert g.syntax == pb.Grammar.SYNTAX_GBNF
     assert t.renames["constraint.choice.choices"] == "guided_choice"
+    assert build_request(**chat(structured_outputs={"regex": "a+"}).kwargs).constraint.regex == "a+"
 
 
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
