@@ -313,3 +313,13 @@ def test_compiler_caches_shares_and_times_out(tiny_compiler):
         assert len(calls) == 3
 
     asyncio.run(main())
+
+
+def test_the_scheduler_with_structured_output_stays_torch_free():
+    import subprocess
+    import sys
+
+    probe = ("import sys, scheduler_svc.__main__, scheduler_svc.grammar, scheduler_svc.server; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
