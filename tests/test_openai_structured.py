@@ -190,3 +190,24 @@ def test_streamed_tool_call_deltas_accumulate_in_the_openai_client(oai):
     [call] = final.choices[0].message.tool_calls
     assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+@live
+def test_auto_mode_parses_hermes_tool_calls_streamed_or_not(oai):
+    """The 135M model rarely calls a tool on its own, so a regex holds it to the Hermes format;
+    the auto-mode parser then has to find the call in the text, streamed and not."""
+    regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
+             r'"unit": "celsius"\}\}\n</tool_call>')
+    kwargs = dict(model="m", messages=ASK, tools=[WEATHER, TIME], seed=4, max_tokens=60, extra_body={"guided_regex": regex})
+    whole = oai.chat.completions.create(**kwargs)
+    with oai.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion()
+    for r in (whole, streamed):
+        [call] = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    a, b = whole.choices[0].message.tool_calls[0].function, streamed.choices[0].message.tool_calls[0].function
+    assert (a.name, a.arguments) == (b.name, b.arguments)
