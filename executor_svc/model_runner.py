@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionMetadata
+from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.sampler import Sampler, build_sampling_metadata
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult
@@ -217,6 +218,10 @@ class ModelRunner:
         # with tp, `agreed` makes sure of it before anyone enters a collective.
         with tp.agreed("preparing the step") if tp else contextlib.nullcontext():
             batch = self._apply_plan(plan)
+            # Only requests whose scheduled tokens reach the end of their known
+            # tokens produce a token; a mid-prompt chunk produces none.
+            sample_rows = [i for i, (s, n) in enumerate(batch) if s.num_computed_tokens + n == len(s.token_ids)]
+            _check_masks(plan, [batch[i][0] for i in sample_rows])
             if batch:
                 input_ids, positions, meta, cu = self.prepare_inputs(batch)
                 self.attn_backend.prepare(meta)
@@ -224,9 +229,6 @@ class ModelRunner:
             return result
         with tp.fatal_on_error("the forward pass") if tp else contextlib.nullcontext():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        # Only requests whose scheduled tokens reach the end of their known
-        # tokens produce a token; a mid-prompt chunk produces none.
-        sample_rows = [i for i, (s, n) in enumerate(batch) if s.num_computed_tokens + n == len(s.token_ids)]
         for state, n in batch:
             state.num_computed_tokens += n
         if not sample_rows:
@@ -238,6 +240,11 @@ class ModelRunner:
             return result
         try:
             logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
+            edits = build_logit_edits([s.sampling for s in states],
+                                      [plan.allowed_token_masks.get(s.request_id) for s in states],
+                                      self.vocab_size, self.device)
+            if edits is not None:
+                logits = apply_logit_edits(logits, edits)
             md = build_sampling_metadata(
                 [s.sampling for s in states],
                 [s.token_ids[: s.num_prompt_tokens] for s in states],
@@ -294,3 +301,10 @@ class ModelRunner:
             self.sampler(logits, md)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+def _check_masks(plan: StepPlan, sampling: list[RequestState]) -> None:
+    """A mask for a request that does not sample this step means the scheduler lost track of it."""
+    if plan.allowed_token_masks:
+        extra = set(plan.allowed_token_masks) - {s.request_id for s in sampling}
+        if extra:
+            raise PlanError(f"allowed-token masks for requests that do not sample this step: {sorted(extra)}")

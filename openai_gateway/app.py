@@ -40,6 +40,7 @@ from openai_gateway.translate import (
     chat_request,
     chunk_json,
     completion_request,
+    delta_chunk_json,
     from_grpc,
     logprob_token_ids,
     logprobs_json,
@@ -210,6 +211,7 @@ class Gateway:
         """SSE chunks, one per gRPC message that carries something; prompt p's sample i is choice
         p*n+i. On disconnect the server cancels this generator, which cancels the gRPC calls."""
         samples: dict[int, Completion] = {}
+        tool_state: dict = {}  # per-sample tool-call parsers (chat with tools)
         try:
             async for p, msg in merge_streams(streams):
                 index = p * t.n + msg.index
@@ -220,9 +222,14 @@ class Gateway:
                     text = await self._token_text(logprob_token_ids(msg.logprobs), md)
                     logprobs = logprobs_json(t.kind, msg.logprobs, text, offset=len(sample.text))
                 sample.add(msg)
+                finish = msg.finish_reason
                 text = (echoes[p] if is_first else "") + msg.text
-                if text or logprobs or msg.finish_reason or is_first:
-                    yield _sse(chunk_json(t, response_id, created, index, text, msg.finish_reason, logprobs, is_first))
+                if t.tools is not None:
+                    for chunk in self._tool_chunks(t, response_id, created, index, msg.text, finish, logprobs,
+                                                   is_first, tool_state):
+                        yield _sse(chunk)
+                elif text or logprobs or finish or is_first:
+                    yield _sse(chunk_json(t, response_id, created, index, text, finish, logprobs, is_first))
             if t.include_usage:
                 groups = [[samples[p * t.n + i] for i in range(t.n)] for p in range(len(streams))]
                 yield _sse(usage_chunk_json(t, response_id, created, groups))
@@ -232,6 +239,21 @@ class Gateway:
             log.warning("stream_failed", request_id=response_id, status=err.status, code=e.code().name)
             yield _sse(err.body())
         yield _DONE
+
+    @staticmethod
+    def _tool_chunks(t: Translated, response_id: str, created: int, index: int, text: str, finish, logprobs,
+                     is_first: bool, state: dict):
+        """A sample's chunks when tools are on: content and tool-call deltas (tools.py), the
+        first naming the role, the last carrying the finish_reason (tool_calls when it called)."""
+        deltas, finish = t.tools.stream_deltas(state, index, text, finish)
+        if is_first:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+        if finish is not None or (logprobs and not deltas):
+            deltas = deltas or [{}]
+        for j, delta in enumerate(deltas):
+            last = j == len(deltas) - 1
+            yield delta_chunk_json(t, response_id, created, index, delta, finish if last else None,
+                                   logprobs if j == 0 else None)
 
 
 async def _all_or_none(awaitables):

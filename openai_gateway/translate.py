@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from openai_gateway import structured
+from openai_gateway.tools import ToolCalling, assistant_tool_calls, tool_calling
+from pagedserve.v1 import generation_pb2 as pb
 from pagedserve_client import Completion, PagedServeError
 
 COMPLETION, CHAT = "text_completion", "chat.completion"
@@ -77,6 +80,7 @@ class Translated:
     logprobs: bool  # whether the response carries log-probabilities
     renames: dict[str, str]  # gRPC field prefix -> the OpenAI parameter, for from_grpc
     echo: bool = False  # completions: each choice's text starts with its prompt
+    tools: ToolCalling | None = None  # chat with tools: how the output becomes tool_calls
 
     @property
     def n(self) -> int:
@@ -145,7 +149,7 @@ def _common(body: Mapping) -> tuple[dict, bool, bool]:
     if stop_ids is not None and stop_ids != [] and _token_ids(stop_ids) is None:
         raise _bad("stop_token_ids", "expected a list of token ids")
     kwargs["stop_token_ids"] = stop_ids or []
-    _unsupported(body, "logit_bias", (None, {}))
+    kwargs["logit_bias"] = structured.logit_bias(body)
     stream = bool(_typed(body, "stream", bool, "a boolean"))
     options = _typed(body, "stream_options", dict, "an object") or {}
     include_usage = bool(_typed(options, "include_usage", bool, "a boolean"))
@@ -165,6 +169,29 @@ def _prompts(value) -> list[dict]:
     raise _bad("prompt", "expected a string, a non-empty list of token ids, or a non-empty list of either")
 
 
+_CONSTRAINT_FIELDS = ("constraint.json_schema", "constraint.json_object", "constraint.regex", "constraint.choice.choices",
+                      "constraint.choice", "constraint.grammar.source", "constraint.grammar.syntax", "constraint.grammar",
+                      "constraint")
+
+
+def _constraint(kwargs: dict, renames: dict, constraint: pb.OutputConstraint | None, param: str | None) -> None:
+    kwargs["constraint"] = constraint
+    if param is not None:
+        renames.update((f, param) for f in _CONSTRAINT_FIELDS)
+
+
+def _param_errors(translate):
+    """Turns the helper modules' ParamError into the 400 APIError."""
+    def wrapped(body: Mapping) -> Translated:
+        try:
+            return translate(body)
+        except structured.ParamError as e:
+            raise _bad(e.param, e.message) from None
+    wrapped.__doc__ = translate.__doc__
+    return wrapped
+
+
+@_param_errors
 def completion_request(body: Mapping) -> Translated:
     """POST /v1/completions: one prompt or a list of them."""
     kwargs, stream, include_usage = _common(body)
@@ -181,15 +208,17 @@ def completion_request(body: Mapping) -> Translated:
     if best_of is not None and best_of != (kwargs["n"] or 1):
         raise _bad("best_of", "only best_of == n is supported")
     renames = {"prompt.token_ids.ids": "prompt", "prompt.token_ids": "prompt", "prompt.text": "prompt"}
+    _constraint(kwargs, renames, *structured.output_constraint(body))
     return Translated(COMPLETION, body["model"], prompts, kwargs, stream, include_usage, kwargs["logprobs"] is not None,
-                      renames, echo)
+                      renames, echo=echo)
 
 
 def _message(i: int, m) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise _bad(f"messages[{i}]", "expected an object with a role")
-    if m.get("tool_calls") or m.get("function_call"):
-        raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+    if m.get("function_call"):
+        raise _bad(f"messages[{i}].function_call", "the deprecated function_call is not supported: use tool_calls")
+    calls = assistant_tool_calls(i, m) if m["role"] == "assistant" else []
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text ones
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -202,16 +231,20 @@ def _message(i: int, m) -> dict:
     elif not isinstance(content, str):
         raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
     # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-    return {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+    return {"role": "system" if m["role"] == "developer" else m["role"], "content": content, "tool_calls": calls}
 
 
+@_param_errors
 def chat_request(body: Mapping) -> Translated:
-    """POST /v1/chat/completions. Text only: tools, functions and non-text formats are rejected."""
+    """POST /v1/chat/completions. Text only; tools per openai_gateway/tools.py."""
     kwargs, stream, include_usage = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of messages")
-    prompts = [{"messages": [_message(i, m) for i, m in enumerate(messages)]}]
+    tools = tool_calling(body)
+    turns = [_message(i, m) for i, m in enumerate(messages)]
+    fmt = tools.fmt if tools is not None else ToolCalling("auto", []).fmt  # earlier calls render even without tools
+    prompts = [{"messages": fmt.render(turns, tools.tools if tools is not None else [])}]
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     kwargs["max_tokens"] = _int(body, max_name, _MAX_TOKENS)
     want_logprobs = bool(_typed(body, "logprobs", bool, "a boolean"))
@@ -219,15 +252,18 @@ def chat_request(body: Mapping) -> Translated:
     if top is not None and not want_logprobs:
         raise _bad("top_logprobs", "needs logprobs: true")
     kwargs["logprobs"] = (top or 0) if want_logprobs else None
-    for name in ("tools", "functions"):
-        _unsupported(body, name, (None, []))
-    _unsupported(body, "tool_choice", (None, "none"))
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    _unsupported(body, "functions", (None, []))
     renames = {"prompt.chat.messages": "messages", "prompt.chat": "messages", "prompt": "messages",
                "sampling.logprobs": "top_logprobs", "stopping.max_tokens": max_name}
-    return Translated(CHAT, body["model"], prompts, kwargs, stream, include_usage, want_logprobs, renames)
+    constraint, param = structured.output_constraint(body)
+    tool_constraint = tools.constraint() if tools is not None else None
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise _bad(param, f"cannot be combined with tool_choice {body.get('tool_choice')!r}, which constrains the output itself")
+        constraint, param = tool_constraint, "tools"
+    _constraint(kwargs, renames, constraint, param)
+    return Translated(CHAT, body["model"], prompts, kwargs, stream, include_usage, want_logprobs, renames, tools=tools)
+
 
 
 def logprob_token_ids(logprobs) -> set[int]:
@@ -271,8 +307,15 @@ def response_json(t: Translated, response_id: str, created: int, groups: list[li
     choices = []
     samples = [(p, s) for p, g in enumerate(groups) for s in g]
     for i, ((p, s), lp) in enumerate(zip(samples, logprobs)):
-        body = {"text": echoes[p] + s.text} if t.kind == COMPLETION else {"message": {"role": "assistant", "content": s.text}}
-        choices.append({"index": i, **body, "logprobs": lp, "finish_reason": s.finish_reason})
+        finish = s.finish_reason
+        if t.kind == COMPLETION:
+            body = {"text": echoes[p] + s.text}
+        elif t.tools is not None:
+            message, finish = t.tools.message(s.text, finish)
+            body = {"message": message}
+        else:
+            body = {"message": {"role": "assistant", "content": s.text}}
+        choices.append({"index": i, **body, "logprobs": lp, "finish_reason": finish})
     return {"id": response_id, "object": t.kind, "created": created, "model": t.model, "choices": choices,
             "usage": usage_json(groups)}
 
@@ -287,6 +330,14 @@ def chunk_json(t: Translated, response_id: str, created: int, index: int, text: 
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
             "created": created, "model": t.model, "choices": [choice], **({"usage": None} if t.include_usage else {})}
+
+
+def delta_chunk_json(t: Translated, response_id: str, created: int, index: int, delta: dict, finish: str | None,
+                     logprobs: dict | None) -> dict:
+    """A chat chunk with a prepared delta (tool calls)."""
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": t.model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            **({"usage": None} if t.include_usage else {})}
 
 
 def usage_chunk_json(t: Translated, response_id: str, created: int, groups: list[list[Completion]]) -> dict:

@@ -25,8 +25,10 @@ _STOPPING = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_outp
 
 def build_request(prompt: str | None = None, *, token_ids=None, messages=None, request_id: str = "",
                   stop: str | list[str] | tuple[str, ...] | None = (), stop_token_ids=(), priority: int = 0,
+                  constraint: pb.OutputConstraint | None = None, logit_bias: dict[int, float] | None = None,
                   **kwargs) -> pb.GenerateRequest:
-    """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs.
+    """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs,
+    an optional structured-output constraint and a {token id: bias} logit_bias.
     `stop` is one stop string or a list of them (as in OpenAI's API)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt, token_ids, messages")
@@ -51,6 +53,10 @@ def build_request(prompt: str | None = None, *, token_ids=None, messages=None, r
     # A str is itself a sequence of strings: without this, stop="END" would stop at "E", "N" or "D".
     req.stopping.stop.extend([stop] if isinstance(stop, str) else (stop or ()))
     req.stopping.stop_token_ids.extend(stop_token_ids)
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
+    for token, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[token] = bias
     return req
 
 

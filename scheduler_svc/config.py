@@ -49,6 +49,9 @@ class SchedulerServiceConfig:
     metrics_prefix: str = "pagedserve"  # metric names' namespace; "vllm" for vLLM's dashboards
     served_model_name: str = ""  # the metrics' model_name label; "" = the model's id (shared.model_id)
     log_stats_interval_s: float = 10.0  # a throughput/queue/KV line every this many seconds; 0 = off
+    grammar_compile_timeout_s: float = 10.0  # structured output: longer compiles are refused
+    grammar_compile_workers: int = 2  # threads compiling grammars off the event loop
+    grammar_cache_size: int = 256  # distinct compiled constraints kept (LRU)
 
     def __post_init__(self) -> None:
         validate_address(self.listen)
@@ -72,6 +75,9 @@ class SchedulerServiceConfig:
         validate_metrics_prefix(self.metrics_prefix)
         if self.log_stats_interval_s < 0:
             raise ValueError(f"--log-stats-interval must be >= 0, got {self.log_stats_interval_s}")
+        if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_workers < 1 or self.grammar_cache_size < 1:
+            raise ValueError("--grammar-compile-timeout must be > 0, --grammar-compile-workers and "
+                             "--grammar-cache-size >= 1")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
@@ -158,6 +164,12 @@ def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
+    p.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout_s,
+                   help="Seconds a structured-output constraint may take to compile before the request is refused.")
+    p.add_argument("--grammar-compile-workers", type=int, default=d.grammar_compile_workers,
+                   help="Threads compiling structured-output constraints.")
+    p.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
+                   help="Compiled structured-output constraints kept for reuse (LRU).")
     p.add_argument("--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards).")
     p.add_argument("--served-model-name", default=d.served_model_name, help="The metrics' model_name label; default: the model's id.")
     p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval_s,
@@ -196,6 +208,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
             metrics_prefix=a.metrics_prefix, served_model_name=a.served_model_name,
             log_stats_interval_s=a.log_stats_interval,
+            grammar_compile_timeout_s=a.grammar_compile_timeout, grammar_compile_workers=a.grammar_compile_workers,
+            grammar_cache_size=a.grammar_cache_size,
         )
     except ValueError as e:
         p.error(str(e))

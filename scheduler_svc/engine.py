@@ -28,6 +28,7 @@ import structlog
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_connection import ExecutorConnection, ExecutorInfo, ExecutorLost, ExecutorRefused
+from scheduler_svc.grammar import CompiledGrammar, Constraint, GrammarCompiler
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler import Scheduler
@@ -86,6 +87,7 @@ class GenerationInput:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     priority: int = 0
+    constraint: Constraint | None = None  # structured output; compile with Engine.compile_constraint
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Engine:
         self.info: ExecutorInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self.scheduler: Scheduler | None = None
+        self.grammars: GrammarCompiler | None = None
         self.max_model_len = 0  # the model's, capped by what one sequence can hold
         self.connected = False
         self.draining = False
@@ -163,6 +166,9 @@ class Engine:
             self.max_model_len = config.max_model_len
             self.scheduler = Scheduler(config)
             self.metrics.bind(self.config.served_model_name or model_id(info.model_name))
+            self.grammars = GrammarCompiler(
+                info.tokenizer_json, info.vocab_size, list(info.eos_token_ids), workers=cfg.grammar_compile_workers,
+                cache_size=cfg.grammar_cache_size, timeout_s=cfg.grammar_compile_timeout_s)
         elif _model_facts(info) != _model_facts(self.info):
             # Requests were tokenized and validated for the old model: restart the scheduler to serve this one.
             await self.client.close()
@@ -238,7 +244,17 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def submit(self, gen: GenerationInput, owner: str = "") -> RequestHandle:
+    async def compile_constraint(self, gen: GenerationInput) -> CompiledGrammar | None:
+        """The request's compiled constraint (None if it has none); raises GrammarError.
+
+        Runs in a worker thread: other requests keep running while it compiles.
+        The request keeps its arrival time, so it queues as if it had waited
+        in the queue meanwhile.
+        """
+        return None if gen.constraint is None else await self.grammars.compile(gen.constraint)
+
+    def submit(self, gen: GenerationInput, grammar: CompiledGrammar | None = None,
+               arrival: float | None = None, owner: str = "") -> RequestHandle:
         if self.draining or not self.connected:
             raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
         sample_ids = [gen.request_id] if gen.n == 1 else [f"{gen.request_id}#{i}" for i in range(gen.n)]
@@ -250,6 +266,8 @@ class Engine:
         if len(self.scheduler.waiting) + gen.n > self.config.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (limit --max-waiting {self.config.max_waiting})")
         handle = RequestHandle(gen.request_id, gen.n, prompt_tokens=len(gen.prompt_token_ids), owner=owner)
+        if arrival is not None:
+            handle.arrival = arrival
         eos = frozenset(self.info.eos_token_ids)
         masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos))) if gen.min_tokens else ()
         for i, sample_id in enumerate(sample_ids):
@@ -260,6 +278,7 @@ class Engine:
                 request_id=sample_id, prompt_token_ids=list(gen.prompt_token_ids), sampling=sampling,
                 max_tokens=gen.max_tokens, eos_token_ids=eos, stop_token_ids=gen.stop_token_ids,
                 ignore_eos=gen.ignore_eos, min_tokens=gen.min_tokens, priority=gen.priority, arrival_time=handle.arrival,
+                grammar=None if grammar is None else grammar.matcher(),
             )
             detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, list(gen.stop), gen.include_stop_str_in_output)
             self._samples[sample_id] = _Sample(handle, i, request, detok)

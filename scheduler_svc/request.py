@@ -29,6 +29,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler_svc.grammar import GrammarMatcher
 from shared.sampling_params import SamplingParams
 from shared.step_plan import TokenLogprobs
 
@@ -64,6 +65,9 @@ class Request:
     min_tokens: int = 0
     priority: int = 0  # lower runs first
     arrival_time: float = field(default_factory=time.monotonic)
+    # Structured output: this sample's matcher, advanced by append_output_token;
+    # None = unconstrained. Its next mask goes with the plan of the next sample.
+    grammar: GrammarMatcher | None = None
 
     # State below is owned by the request and mutated by the scheduler.
     output_token_ids: list[int] = field(init=False, default_factory=list)
@@ -80,6 +84,7 @@ class Request:
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_token_id: int | None = field(init=False, default=None)  # EOS or stop id that matched
     num_preemptions: int = field(init=False, default=0)
+    error: str = field(init=False, default="")  # why it was aborted from inside (a token the grammar refused)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -127,9 +132,11 @@ class Request:
         """Appends a sampled token; returns True (and sets the finished status) if it ends the request.
 
         Order as in vLLM: a stop token (EOS unless ignore_eos, or a stop token
-        id) ends the request once it has at least min_tokens outputs; then
-        max_tokens. A stop token that is also the max_tokens-th output counts
-        as a stop, so its id is reported.
+        id) ends the request once it has at least min_tokens outputs; then a
+        complete structured output (the grammar allows nothing more: STOPPED);
+        then max_tokens. A stop token that is also the max_tokens-th output
+        counts as a stop, so its id is reported. A token the grammar refuses
+        (the executor ignored the mask) aborts the request with `error`.
         """
         assert self.status < _FINISHED_STOPPED, (
             f"request {self.request_id!r} got a token after finishing ({self.status.name})"
@@ -137,11 +144,19 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         num_outputs = len(self.output_token_ids)
+        grammar = self.grammar
+        if grammar is not None and not grammar.consume(token_id):
+            self.status = RequestStatus.FINISHED_ABORTED
+            self.error = f"sampled token {token_id} is not allowed by the output constraint: {grammar.error}"
+            return True
         if num_outputs >= self.min_tokens and (
             token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids)
         ):
             self.status = _FINISHED_STOPPED
             self.stop_token_id = token_id
+            return True
+        if grammar is not None and grammar.is_stopped:
+            self.status = _FINISHED_STOPPED
             return True
         if num_outputs >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -20,6 +20,12 @@ N+1 while step N runs: a decode then computes the token step N samples
 (pending here, the executor's own sample there), and a request that finishes
 in step N wastes its slot in step N+1, whose output is dropped.
 
+Structured output: a constrained request's next allowed-token mask depends on
+the token in flight, so it is planned in lockstep: never while it has a
+sample pending (it sits out the overlapped plan, and only it does). A plan
+carries the mask of every constrained request it samples, computed from the
+request's matcher, which has consumed exactly its applied output tokens.
+
 The executor holds state for exactly the RUNNING requests (sent whole in
 new_requests when admitted, as deltas in cached_requests after). A running
 request that stops running (finished, aborted, preempted) is listed in the
@@ -197,7 +203,7 @@ class Scheduler:
             self._schedule_waiting(draft)  # not after a preemption: memory is short
         draft.count_samples()
         plan = StepPlan(step_id=self._step_id, new_requests=draft.new_requests, cached_requests=draft.cached,
-                        last_result_step_id=self._last_result_step_id)
+                        last_result_step_id=self._last_result_step_id, allowed_token_masks=_masks(draft.scheduled))
         # A plan that schedules nothing need not be sent; the ids and cache entries wait for the next one.
         if plan.num_requests:
             plan.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -222,6 +228,9 @@ class Scheduler:
             num_new = request.num_planned_tokens - request.num_computed_tokens
             if request.num_output_tokens + request.num_pending_samples >= request.max_tokens:
                 i += 1  # its last sample is in flight: the request ends with it
+                continue
+            if request.grammar is not None and request.num_pending_samples:
+                i += 1  # lockstep: its next mask needs the token in flight
                 continue
             assert num_new > 0, f"running request {request.request_id!r} has nothing to compute"
             if threshold and num_new > threshold:
@@ -332,6 +341,7 @@ class Scheduler:
                     request.status,
                     request.stop_token_id,
                     request.num_cached_tokens,
+                    error=request.error,
                 )
             )
             if not finished:
@@ -454,6 +464,17 @@ class Scheduler:
 def _kv_cache_manager(config: SchedulerConfig) -> KVCacheManager:
     return KVCacheManager(config.block_size, config.num_blocks, enable_caching=config.enable_prefix_caching,
                           watermark=config.watermark, hash_algo=config.hash_algo)
+
+
+def _masks(scheduled: list[Request]) -> dict[str, bytes]:
+    """Allowed-token masks of the constrained requests this plan samples (after count_samples)."""
+    masks = {}
+    for request in scheduled:
+        if request.grammar is not None and request.num_pending_samples:
+            assert request.num_pending_samples == 1 and request.grammar.num_tokens == request.num_output_tokens, (
+                f"{request.request_id!r}: constrained request planned out of lockstep")
+            masks[request.request_id] = request.grammar.bitmask()
+    return masks
 
 
 def _victim_key(request: Request) -> tuple[int, float]:

@@ -4,7 +4,8 @@ Status codes a client can receive:
   INVALID_ARGUMENT    a field is out of range (BadRequest details name it), or the message does not parse
   OUT_OF_RANGE        prompt (+ max_tokens) longer than the context or KV cache
   ALREADY_EXISTS      request_id is already live
-  RESOURCE_EXHAUSTED  the waiting queue is full, or the message is too large
+  RESOURCE_EXHAUSTED  the waiting queue is full, the message is too large, or the
+                      output constraint took longer than --grammar-compile-timeout to compile
   UNAVAILABLE         executor unreachable (past --executor-recovery-timeout) or draining
   UNAUTHENTICATED     bearer token missing or wrong (when tokens are configured), unknown methods included
   DEADLINE_EXCEEDED   the client's deadline passed (the request is aborted and freed)
@@ -16,6 +17,8 @@ listings are scoped to the caller (shared/grpc_auth.py) unless it is an admin.
 """
 from __future__ import annotations
 
+import time
+
 import grpc
 import structlog
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -24,6 +27,7 @@ from grpc_status import rpc_status
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine, EngineUnavailable, FinishReason, QueueFull, SampleOutput
+from scheduler_svc.grammar import GrammarError, GrammarTimeout
 from scheduler_svc.text_work import TextWorkers
 from scheduler_svc.validation import InvalidRequest, Limits, chat_work_size, render_chat, to_generation_input, work_size
 from shared.grpc_auth import ANONYMOUS, Caller, TokenTable
@@ -128,8 +132,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             gen = await self.workers.run(work_size(request), to_generation_input, request, self.engine.tokenizer, self._limits())
         except InvalidRequest as e:
             await abort_invalid(context, e)
+        arrival = time.monotonic()
         try:
-            handle = self.engine.submit(gen, owner=caller.name)
+            grammar = await self.engine.compile_constraint(gen)
+        except GrammarError as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, GrammarTimeout) else grpc.StatusCode.INVALID_ARGUMENT
+            kind = gen.constraint.kind
+            field = "constraint.grammar.source" if kind in ("lark", "gbnf") else f"constraint.{kind}"
+            await abort_invalid(context, InvalidRequest(field, str(e), code))
+        try:
+            handle = self.engine.submit(gen, grammar, arrival, owner=caller.name)
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {gen.request_id!r} is already live")
         except QueueFull as e:

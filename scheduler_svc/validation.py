@@ -11,6 +11,7 @@ renders to at least one token) and a text's characters are bounded by
 """
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -19,10 +20,14 @@ import grpc
 
 from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.engine import GenerationInput
+from scheduler_svc.grammar import Constraint
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_CONSTRAINT_BYTES = 256 << 10  # a schema or grammar's text
+MAX_CHOICES = 1024
 
 
 class InvalidRequest(ValueError):
@@ -157,9 +162,62 @@ def sampling_params(s: pb.SamplingParams, limits: Limits) -> tuple[SamplingParam
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, repetition_penalty=rep,
         presence_penalty=presence, frequency_penalty=frequency, seed=s.seed if s.HasField("seed") else None,
-        logprobs=logprobs,
+        logprobs=logprobs, logit_bias=logit_bias(s, limits),
     )
     return params, n
+
+
+def logit_bias(s: pb.SamplingParams, limits: Limits) -> tuple[tuple[int, float], ...]:
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
+    for token, bias in s.logit_bias.items():
+        if token >= limits.vocab_size:
+            raise InvalidRequest("sampling.logit_bias", f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+        _check_range(f"sampling.logit_bias[{token}]", bias, -100.0, 100.0)
+    return tuple(sorted(s.logit_bias.items()))
+
+
+def _check_text(field: str, text: str) -> None:
+    if not text:
+        raise InvalidRequest(field, "must not be empty")
+    if len(text.encode()) > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequest(field, f"at most {MAX_CONSTRAINT_BYTES} bytes, got {len(text.encode())}")
+
+
+def output_constraint(c: pb.OutputConstraint) -> Constraint | None:
+    """The request's constraint, checked for shape; the compiler checks the content later."""
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        return None
+    field = f"constraint.{kind}"
+    if kind == "json_schema":
+        _check_text(field, c.json_schema)
+        try:
+            schema = json.loads(c.json_schema)
+        except ValueError as e:
+            raise InvalidRequest(field, f"not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(field, f"a JSON Schema is an object (or a boolean), got {type(schema).__name__}")
+        return Constraint("json_schema", c.json_schema)
+    if kind == "json_object":
+        if not c.json_object:
+            raise InvalidRequest(field, "set it to true (or leave the constraint unset)")
+        return Constraint("json_object", "")
+    if kind == "regex":
+        _check_text(field, c.regex)
+        return Constraint("regex", c.regex)
+    if kind == "choice":
+        choices = tuple(c.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidRequest(f"{field}.choices", f"between 1 and {MAX_CHOICES} choices, got {len(choices)}")
+        for i, choice in enumerate(choices):
+            _check_text(f"{field}.choices[{i}]", choice)
+        return Constraint("choice", choices)
+    syntax = {pb.Grammar.SYNTAX_LARK: "lark", pb.Grammar.SYNTAX_GBNF: "gbnf"}.get(c.grammar.syntax)
+    if syntax is None:
+        raise InvalidRequest(f"{field}.syntax", "set SYNTAX_LARK or SYNTAX_GBNF")
+    _check_text(f"{field}.source", c.grammar.source)
+    return Constraint(syntax, c.grammar.source)
 
 
 def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationInput:
@@ -205,4 +263,5 @@ def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: L
         min_tokens=min_tokens,
         include_stop_str_in_output=st.include_stop_str_in_output,
         priority=req.priority,
+        constraint=output_constraint(req.constraint),
     )

@@ -25,6 +25,8 @@ class SamplingParams:
     # Masked (logit -inf) while the request has fewer than min_tokens outputs:
     # the model's EOS ids (unless ignore_eos) and the request's stop token ids.
     min_tokens_masked_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Added to the logits before every sample: (token id, bias) pairs, ids distinct.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,8 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens,
         min_tokens_masked_ids=s.min_tokens_masked_ids,
+        logit_bias_token_ids=[t for t, _ in s.logit_bias],
+        logit_bias_values=[b for _, b in s.logit_bias],
     )
     if s.seed is not None:
         msg.seed = s.seed
@@ -52,6 +54,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         min_tokens=msg.min_tokens,
         min_tokens_masked_ids=tuple(msg.min_tokens_masked_ids),
+        logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
     )
 
 
@@ -79,6 +82,9 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         ),
         finished_request_ids=plan.finished_request_ids,
         last_result_step_id=plan.last_result_step_id,
+        allowed_token_masks=pb.TokenMasks(
+            request_ids=list(plan.allowed_token_masks), bitmasks=b"".join(plan.allowed_token_masks.values()),
+        ) if plan.allowed_token_masks else None,
     )
 
 
@@ -106,7 +112,19 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         ),
         finished_request_ids=list(msg.finished_request_ids),
         last_result_step_id=msg.last_result_step_id,
+        allowed_token_masks=_masks_from_proto(msg.allowed_token_masks),
     )
+
+
+def _masks_from_proto(msg: pb.TokenMasks) -> dict[str, bytes]:
+    ids = msg.request_ids
+    if not ids:
+        return {}
+    width, rest = divmod(len(msg.bitmasks), len(ids))
+    if rest or width % 4:
+        raise ValueError(f"{len(msg.bitmasks)} mask bytes do not split into {len(ids)} rows of uint32 words")
+    data = msg.bitmasks
+    return {rid: data[i * width:(i + 1) * width] for i, rid in enumerate(ids)}
 
 
 def result_to_proto(result: StepResult) -> pb.StepResult:

@@ -56,6 +56,10 @@ class StepPlan:
     # plan. With overlap scheduling a plan leaves before the result of the step
     # ahead of it; if that step failed, the executor refuses this plan as stale.
     last_result_step_id: int = 0
+    # Structured output: request id -> packed allowed-token bitmask for the
+    # sample this step draws for it (layout in shared/token_mask.py); only
+    # constrained requests that sample this step have one.
+    allowed_token_masks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

@@ -9,7 +9,9 @@ rolling fingerprint: the KV of position p is
 
 so a KV slot identifies the whole prefix that produced it, and the token
 sampled after a sequence is fp(last) % vocab_size: a pure function of the
-sequence, so outputs survive preemption and recomputation unchanged.
+sequence, so outputs survive preemption and recomputation unchanged. Under an
+allowed-token mask it is the first allowed token at or after that one
+(cyclically): still a pure function of the sequence and the mask.
 
 Reading the cache checks that every slot of a request's prefix holds the
 right fingerprint, which catches prefix-cache hits on wrong or never-written
@@ -31,6 +33,7 @@ from scheduler_svc.block_pool import hash_block_tokens
 from scheduler_svc.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
+from shared.token_mask import mask_width_bytes, unpack_allowed
 
 FP_SEED = 0x5EED
 GARBAGE = -1  # what a failed step leaves in the slots it was writing
@@ -186,6 +189,7 @@ class FakeExecutor:
                 self.kv[self._slot(req, pos)] = fps[pos]
         self._check_shared_blocks()
         result = StepResult(step_id=plan.step_id)
+        masks = dict(plan.allowed_token_masks)
         for rid, req, n in batch:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             fps = req.fps_up_to(end)
@@ -198,11 +202,14 @@ class FakeExecutor:
             req.num_computed_tokens = end
             if end == len(req.token_ids):
                 token = fps[end - 1] % self.vocab_size
+                if rid in masks:
+                    token = _first_allowed(masks.pop(rid), token, self.vocab_size)
                 req.token_ids.append(token)
                 result.sampled[rid] = token
                 if req.sampling.logprobs is not None:
                     top = [((token + k) % self.vocab_size, -1.0 - k) for k in range(req.sampling.logprobs)]
                     result.logprobs[rid] = TokenLogprobs(logprob=-1.0, top=top)
+        assert not masks, f"allowed-token masks for requests that do not sample: {sorted(masks)}"
         return result
 
     def _check_batch(self, plan: StepPlan, batch: list[tuple[str, _ExecRequest, int]]) -> None:
@@ -248,6 +255,13 @@ class FakeExecutor:
                 assert self.kv[b * bs : (b + 1) * bs] == fps, (
                     f"{writer!r} wrote block {b} that {rid!r} holds as other content"
                 )
+
+
+def _first_allowed(mask: bytes, token: int, vocab_size: int) -> int:
+    assert len(mask) == mask_width_bytes(vocab_size), f"mask of {len(mask)} bytes for vocabulary {vocab_size}"
+    allowed = unpack_allowed(mask, vocab_size)
+    assert allowed, "a mask allows no token"
+    return next((t for t in allowed if t >= token), allowed[0])
 
 
 def run_steps(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000, *,
