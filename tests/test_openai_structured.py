@@ -30,6 +30,12 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def request_of(t):
+    """The one GenerateRequest a single-prompt translation makes."""
+    (prompt,) = t.prompts
+    return build_request(**prompt, **t.kwargs)
+
+
 def chat(**body):
     return chat_request({"model": "m", "messages": ASK, **body})
 
@@ -39,19 +45,19 @@ def chat(**body):
 
 def test_response_format_and_guided_params_become_constraints():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req = build_request(**chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                                        "strict": True}}).kwargs)
+    req = request_of(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                                        "strict": True}}))
     assert json.loads(req.constraint.json_schema) == schema
-    assert build_request(**chat(response_format={"type": "json_object"}).kwargs).constraint.json_object
-    assert not build_request(**chat(response_format={"type": "text"}).kwargs).HasField("constraint")
+    assert request_of(chat(response_format={"type": "json_object"})).constraint.json_object
+    assert not request_of(chat(response_format={"type": "text"})).HasField("constraint")
     t = completion_request({"model": "m", "prompt": "x", "guided_choice": ["a", "b"], "logit_bias": {"7": -100}})
-    req = build_request(**t.kwargs)
+    req = request_of(t)
     assert list(req.constraint.choice.choices) == ["a", "b"] and dict(req.sampling.logit_bias) == {7: -100.0}
-    assert build_request(**chat(guided_regex="[0-9]+").kwargs).constraint.regex == "[0-9]+"
-    g = build_request(**chat(guided_grammar='root ::= "a"').kwargs).constraint.grammar
+    assert request_of(chat(guided_regex="[0-9]+")).constraint.regex == "[0-9]+"
+    g = request_of(chat(guided_grammar='root ::= "a"')).constraint.grammar
     assert g.syntax == pb.Grammar.SYNTAX_GBNF
     assert t.renames["constraint.choice.choices"] == "guided_choice"
-    assert build_request(**chat(structured_outputs={"regex": "a+"}).kwargs).constraint.regex == "a+"
+    assert request_of(chat(structured_outputs={"regex": "a+"})).constraint.regex == "a+"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -73,7 +79,7 @@ def test_bad_structured_params_name_the_parameter(body, param):
 def test_tool_choices_render_tools_and_constrain_required_and_named():
     assert chat(tools=[WEATHER], tool_choice="none").tools is None
     auto = chat(tools=[WEATHER, TIME])
-    system = auto.kwargs["messages"][0]
+    system = auto.prompts[0]["messages"][0]
     assert auto.tools.mode == "auto" and auto.kwargs["constraint"] is None
     assert system["role"] == "system" and "<tools>" in system["content"] and '"get_time"' in system["content"]
     required = chat(tools=[WEATHER, TIME], tool_choice="required")
@@ -93,7 +99,7 @@ def test_earlier_tool_calls_and_results_render_into_the_conversation():
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
-    turns = chat_request({"model": "m", "messages": messages, "tools": [WEATHER]}).kwargs["messages"]
+    turns = chat_request({"model": "m", "messages": messages, "tools": [WEATHER]}).prompts[0]["messages"]
     assert turns[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     assert turns[3] == {"role": "tool", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
 
@@ -140,7 +146,7 @@ live = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def oai():
     with Servers() as s:
-        proc, url = start_gateway(s.public_addr, os.path.join(s.tmp, "gateway.log"))
+        proc, url = start_gateway(s.public_addr, os.path.join(s.tmp, "gateway.log"), "--served-model-name", "m")
         try:
             yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         finally:
