@@ -281,7 +281,7 @@ def test_bf16_gguf_blocks_give_the_float32_models_block_outputs(tmp_path, kind, 
     weights hold those values rounded; past it, the BF16 blocks' outputs."""
     widened, plain, _ = gguf_models(tmp_path, kind, quant)
     pairs = [(w.packed[n], p.packed[n], getattr(w, f"{n}_weight"), getattr(p, f"{n}_weight"),
-              getattr(p, "qkv_bias") if n == "qkv" else None)
+              p.qkv_bias if n == "qkv" else None)
              for w, p in zip(widened.layers, plain.layers) for n in LINEAR_PARTS]
     head = plain.embed_tokens if plain.lm_head is None else plain.lm_head
     pairs.append((widened._head_packed, plain._head_packed, None, head, None))
