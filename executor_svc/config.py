@@ -101,8 +101,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                         "in their blocks (5/8.5 bits per weight instead of 32; outputs identical to the float32 "
                         "packed GEMM's, which off uses from 2 rows, MKL at 1; ~1.6x faster decode at batch 1-2); "
                         "with --dtype bfloat16 (widened, float32 arithmetic) the same batches read them instead of the "
-                        "bf16 weights (the file's exact values, 5/8.5 bits instead of 16; 1.2-2.2x faster decode at "
-                        "batch 1-32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
+                        "bf16 weights (the file's exact values, 5/8.5 bits instead of 16; 1.7x faster decode at batch 1, "
+                        "1.14x at 32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
                         "off = float32 (or bfloat16) weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
     p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
