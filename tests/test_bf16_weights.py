@@ -322,3 +322,29 @@ def test_bf16_gguf_blocks_through_the_loader_and_the_flag(tmp_path):
     gguf_bytes = sum(p.gguf.nbytes for layer in on.layers for p in layer.packed.values()) + on._head_packed.gguf.nbytes
     assert weight_packing.block_panel_bytes(on) == weight_packing.block_panel_bytes(off) + gguf_bytes
     assert run(on, torch.bfloat16)[1] == run(off, torch.bfloat16)[1]
+
+
+def test_bf16_gguf_blocks_hold_each_tensor_parallel_share(tmp_path):
+    """Rank 1 of 2 of a widened model keeps the file's blocks of its share of
+    q/k/v, gate/up and o, which read back (identity rows, <= 32 at a time)
+    as the file's values of that share: the float32 model's shard weights.
+    down's 80 input columns split a block: a float32 tensor, no blocks."""
+    hf_model = save_tiny_hf_model("llama_tied", str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize="Q8_0")
+    checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
+    shards = []
+    for dtype in (torch.bfloat16, torch.float32):
+        model = LlamaForCausalLM(checkpoint.config, make_backend("dense"), dtype=dtype, tp_rank=1, tp_size=2)
+        model.load_weights(checkpoint.tensor)
+        shards.append(model)
+    widened, plain = shards
+    weight_packing.widen_bf16(widened, blocks=checkpoint.blocks)
+    layer, want = widened.layers[1], plain.layers[1]
+    assert "down" not in layer.packed and layer.down_weight.dtype == torch.float32
+    for name in ("qkv", "o", "gate_up"):
+        weight, exact = getattr(layer, f"{name}_weight"), getattr(want, f"{name}_weight")
+        eye = torch.eye(weight.shape[1])
+        for start in range(0, weight.shape[1], 7):
+            rows = eye[start : start + 7]
+            assert route(rows.shape[0], layer.packed[name]) == "gguf"
+            assert torch.equal(linear(rows, weight, None, layer.packed[name]), exact[:, start : start + 7].t())
