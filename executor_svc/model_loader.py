@@ -85,7 +85,8 @@ def load_model(
     native kernel's packed form of the linear weights (packed_linear.py),
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
-    multiplies in float32 (weight_packing.py, the post-load hook), and with
+    multiplies in float32 (weight_packing.py, the post-load hook), keeping
+    the file's blocks for small batches too with `gguf_blocks`, and with
     `bf16_onednn` (CPUs with native bf16) also hands the larger row counts to
     oneDNN's bf16 GEMM from a row count calibrated here. The caller checks
     that the kernel is available and the model is on CPU."""

@@ -26,6 +26,11 @@ where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
 On CPUs with native bf16 arithmetic the larger row counts go to oneDNN's
 bf16 GEMM instead (onednn_linear.py), from a crossover measured at start-up.
+A bfloat16 model from a GGUF file may also keep the file's Q4_1/Q8_0 blocks
+beside its BF16 ones (`PackedWeight.gguf`, --gguf-blocks auto): 1 to
+BLOCKS_MAX_ROWS rows (below any oneDNN crossover) read those instead, 5 or
+8.5 bits per weight instead of 16, and multiply the file's exact values, so
+those outputs are the float32 model's block-path outputs bit for bit.
 """
 from __future__ import annotations
 
@@ -168,16 +173,25 @@ class PackedWeight:
     # layout (onednn_linear.py), which takes onednn_min_rows rows and more.
     onednn: torch.Tensor | None = None
     onednn_min_rows: int = 0
+    # With bfloat16 blocks and a GGUF file: the file's Q4_1/Q8_0 blocks of the
+    # same weight (pack_blocks), which take 1..BLOCKS_MAX_ROWS rows.
+    gguf: BlockPanels | None = None
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
+        assert self.gguf is None or (self.panels is None and self.blocks.kind == "BF16"), (
+            "GGUF blocks beside float32 panels go in `blocks`; `gguf` is for bfloat16 weights"
+        )
 
 
 def route(rows: int, packed: PackedWeight | None) -> str:
-    """Which GEMM multiplies `rows` rows: "blocks", "panels", "onednn" or "torch" (MKL)."""
+    """Which GEMM multiplies `rows` rows: "blocks" (the kernel over `packed.blocks`),
+    "gguf" (over `packed.gguf`), "panels", "onednn" or "torch" (MKL)."""
     if packed is not None and packed.onednn is not None and rows >= packed.onednn_min_rows:
         return "onednn"
     if packed is not None and packed.panels is None:  # bfloat16 weights
+        if packed.gguf is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
+            return "gguf"
         return "blocks" if rows <= BF16_MAX_ROWS else "torch"
     if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
@@ -206,8 +220,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert bias.is_contiguous() and bias.shape == (out_features,), f"bias shape {tuple(bias.shape)}"
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
-    if how == "blocks":
-        blocks = packed.blocks
+    if how in ("blocks", "gguf"):
+        blocks = packed.blocks if how == "blocks" else packed.gguf
         assert (blocks.out_features, blocks.in_features) == (out_features, in_features), (
             f"block panels of a {blocks.out_features}x{blocks.in_features} weight used for {tuple(weight.shape)}"
         )

@@ -9,7 +9,8 @@ kernel's copies (`DecoderLayer.packed` by weight name, the head's
                     weight and the head (plus their GGUF Q4_1/Q8_0 blocks,
                     where the file has them), beside the weights
     bfloat16 model  widen_bf16: bfloat16 block panels, float32 arithmetic
-                    (for CPUs without AVX512-BF16)
+                    (for CPUs without AVX512-BF16), plus the GGUF Q4_1/Q8_0
+                    blocks for small batches where the file has them
 
 Either runs once, after load_weights and before the first forward.
 """
@@ -30,12 +31,12 @@ BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
 
 
 def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min_rows: int | None = None) -> None:
-    """The post-load hook: packs a float32 CPU model's weights (with the GGUF
-    `blocks` where given) or widens a bfloat16 one (with oneDNN from
-    `onednn_min_rows` rows where given). The caller has checked that the
+    """The post-load hook: packs a float32 CPU model's weights or widens a
+    bfloat16 one (with oneDNN from `onednn_min_rows` rows where given), either
+    with the GGUF `blocks` where given. The caller has checked that the
     kernel is available (worker.use_packed_gemm)."""
     if model.embed_tokens.dtype == torch.bfloat16:
-        widen_bf16(model, onednn_min_rows)
+        widen_bf16(model, onednn_min_rows, blocks)
     else:
         pack_linear_weights(model, blocks)
 
@@ -67,7 +68,7 @@ def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = No
 
 
 @torch.no_grad()
-def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None) -> None:
+def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, blocks: BlockSource | None = None) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
     at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
@@ -84,27 +85,36 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None) -> N
     in a tensor-parallel shard) is widened to a float32 tensor instead.
     With `onednn_min_rows` (CPUs with native bf16), each packed weight is
     also kept in oneDNN's layout for that many rows and more.
+
+    `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
+    weights the file stores as Q4_1/Q8_0 in their blocks (as for float32
+    models, same conditions), which 1..BLOCKS_MAX_ROWS rows below any oneDNN
+    crossover read instead of the BF16 ones (packed_linear.route): 5 or 8.5
+    bits a weight instead of 16, and the file's exact values where the
+    bfloat16 weights hold them rounded. They cost 5/16 or 8.5/16 of the
+    bfloat16 weights' memory on top.
     """
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
 
-    def packed(owner: nn.Module, attr: str) -> PackedWeight | None:
+    def packed(owner: nn.Module, attr: str, names: list[str], split: int | None = None) -> PackedWeight | None:
         weight = getattr(owner, attr)
         if weight.shape[1] % BLOCK_K:
             setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
             return None
-        return bf16_packed(weight)
+        return bf16_packed(weight, names, split)
 
-    def bf16_packed(weight: torch.Tensor) -> PackedWeight:
+    def bf16_packed(weight: torch.Tensor, names: list[str], split: int | None = None) -> PackedWeight:
+        gguf = _block_panels(model, blocks, names, split, weight)
         if onednn_min_rows is None:
-            return PackedWeight(None, pack_bf16(weight))
-        return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows)
+            return PackedWeight(None, pack_bf16(weight), gguf=gguf)
+        return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows, gguf)
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         layer.packed = {}
-        for name in LINEAR_PARTS:
-            p = packed(layer, f"{name}_weight")
+        for name, (parts, split) in LINEAR_PARTS.items():
+            p = packed(layer, f"{name}_weight", [f"model.layers.{i}.{part}.weight" for part in parts], split)
             if p is not None:
                 layer.packed[name] = p
         for attr in ("input_norm", "post_norm", "qkv_bias"):
@@ -112,9 +122,9 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None) -> N
                 setattr(layer, attr, nn.Parameter(getattr(layer, attr).float(), requires_grad=False))
     model.norm = nn.Parameter(model.norm.float(), requires_grad=False)
     if model.lm_head is not None:
-        model._head_packed = packed(model, "lm_head")
+        model._head_packed = packed(model, "lm_head", ["lm_head.weight"])
     elif model.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
-        model._tied_head, model._head_packed = None, bf16_packed(model.embed_tokens)
+        model._tied_head, model._head_packed = None, bf16_packed(model.embed_tokens, ["model.embed_tokens.weight"])
     else:
         model._tied_head = model.embed_tokens.float().t().contiguous().t()
     model.rope_cos, model.rope_sin_signed = rope_cache(model.config, torch.float32, model.rope_cos.device)
@@ -123,9 +133,9 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None) -> N
 
 def block_panel_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of weights kept in block panels for the packed GEMM: GGUF
-    blocks, or bfloat16 ones after widen_bf16 (0 without them)."""
+    blocks, bfloat16 ones after widen_bf16, or both (0 without them)."""
     packed = [p for layer in model.layers for p in layer.packed.values()] + [model._head_packed]
-    return sum(p.blocks.nbytes for p in packed if p is not None and p.blocks is not None)
+    return sum(b.nbytes for p in packed if p is not None for b in (p.blocks, p.gguf) if b is not None)
 
 
 def _block_panels(

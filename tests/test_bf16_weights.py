@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedEngine, make_backend, save_tiny_hf_model
-from test_packed_linear import float32_panels
+from model_utils import PagedEngine, make_backend, save_tiny_gguf, save_tiny_hf_model
+from test_packed_linear import float32_panels, quantized
 
 from executor_svc import packed_linear, weight_packing
 from executor_svc.config import ExecutorConfig
+from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
+from executor_svc.model_loader import load_model
 from executor_svc.packed_linear import (
     BF16_MAX_ROWS,
     BLOCK_FORMATS,
+    BLOCKS_MAX_ROWS,
     PACKED_MAX_ROWS,
     PackedWeight,
     linear,
     pack_bf16,
+    pack_blocks,
     route,
 )
 
@@ -230,3 +234,117 @@ def test_worker_serves_bfloat16_widened(tmp_path):
     assert not emulated.packed_gemm and emulated.model.compute_dtype == torch.bfloat16
     info = widened.configure(block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
     assert info.dtype_name == "bfloat16" and widened.runner.kv_caches[0][0].dtype == torch.bfloat16
+
+
+# --- GGUF blocks beside the bfloat16 ones (--gguf-blocks auto) -------------------------
+
+
+def test_gguf_blocks_take_small_batches_of_a_bfloat16_weight():
+    """1..BLOCKS_MAX_ROWS rows read the file's blocks, more rows the BF16
+    blocks (then MKL); zero rows stay on the BF16 blocks; a oneDNN crossover
+    below BLOCKS_MAX_ROWS takes precedence from its row count on."""
+    weight, raw = quantized("Q8_0", 48, 64, seed=5)
+    bf16 = weight.to(torch.bfloat16)
+    plain = PackedWeight(None, pack_bf16(bf16))
+    both = PackedWeight(None, pack_bf16(bf16), gguf=pack_blocks("Q8_0", raw))
+    rows = (0, 1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, BF16_MAX_ROWS, BF16_MAX_ROWS + 1)
+    assert [route(r, both) for r in rows] == ["blocks", "gguf", "gguf", "blocks", "blocks", "torch"]
+    assert [route(r, plain) for r in rows] == ["blocks", "blocks", "blocks", "blocks", "blocks", "torch"]
+    hybrid = PackedWeight(None, pack_bf16(bf16), torch.empty(0), 16, pack_blocks("Q8_0", raw))
+    assert [route(r, hybrid) for r in (1, 15, 16, BLOCKS_MAX_ROWS)] == ["gguf", "gguf", "onednn", "onednn"]
+    with pytest.raises(AssertionError, match="for bfloat16 weights"):
+        PackedWeight(packed_linear.pack(weight), pack_blocks("Q8_0", raw), gguf=pack_blocks("Q8_0", raw))
+
+
+def gguf_models(tmp_path, kind: str, quant: str):
+    """(bfloat16 widened model with the file's blocks, float32 model with
+    them, the checkpoint) from one quantized GGUF."""
+    hf_model = save_tiny_hf_model(kind, str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize=quant)
+    checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
+    widened = LlamaForCausalLM(checkpoint.config, make_backend("cpu"), dtype=torch.bfloat16)
+    widened.load_weights(checkpoint.tensor)
+    weight_packing.apply(widened, checkpoint.blocks)
+    plain = LlamaForCausalLM(checkpoint.config, make_backend("cpu"))
+    plain.load_weights(checkpoint.tensor)
+    weight_packing.apply(plain, checkpoint.blocks)
+    return widened, plain, checkpoint
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_bf16_gguf_blocks_give_the_float32_models_block_outputs(tmp_path, kind, quant):
+    """Every linear and the head of a widened bfloat16 model from a quantized
+    GGUF: up to BLOCKS_MAX_ROWS rows, the same outputs in every bit as the
+    float32 model's block path on the same inputs (both multiply the file's
+    exact values in float32, in one order of FMAs), though the bfloat16
+    weights hold those values rounded; past it, the BF16 blocks' outputs."""
+    widened, plain, _ = gguf_models(tmp_path, kind, quant)
+    pairs = [(w.packed[n], p.packed[n], getattr(w, f"{n}_weight"), getattr(p, f"{n}_weight"),
+              p.qkv_bias if n == "qkv" else None)
+             for w, p in zip(widened.layers, plain.layers) for n in LINEAR_PARTS]
+    head = plain.embed_tokens if plain.lm_head is None else plain.lm_head
+    pairs.append((widened._head_packed, plain._head_packed, None, head, None))
+    assert all(w.gguf is not None and w.gguf.kind == quant for w, *_ in pairs)
+    assert any(not torch.equal(w_weight.float(), p_weight) for _, _, w_weight, p_weight, _ in pairs if w_weight is not None)
+    gen = torch.Generator().manual_seed(0)
+    for w_packed, p_packed, w_weight, p_weight, bias in pairs:
+        w_weight = p_weight.to(torch.bfloat16) if w_weight is None else w_weight
+        for rows in (1, 3, BLOCKS_MAX_ROWS):
+            x = torch.randn(rows, p_weight.shape[1], generator=gen)
+            assert route(rows, w_packed) == "gguf" and route(rows, p_packed) == "blocks"
+            assert torch.equal(linear(x, w_weight, bias, w_packed), linear(x, p_weight, bias, p_packed))
+        x = torch.randn(BLOCKS_MAX_ROWS + 1, p_weight.shape[1], generator=gen)
+        assert route(x.shape[0], w_packed) == "blocks"
+        want = linear(x, w_weight, bias, PackedWeight(None, pack_bf16(w_weight)))
+        assert torch.equal(linear(x, w_weight, bias, w_packed), want)
+
+
+def test_bf16_gguf_blocks_through_the_loader_and_the_flag(tmp_path):
+    """load_model with gguf_blocks (what --gguf-blocks auto passes) keeps the
+    file's blocks beside the BF16 ones and counts their bytes; without it
+    (off) only the BF16 blocks, as before. Both models greedily decode the
+    same first tokens from a prompt (the file's values against their bf16
+    rounding: a tiny random model, no near ties on this prompt)."""
+    hf_model = save_tiny_hf_model("llama_tied", str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize="Q4_1")
+    models = {}
+    for flag in (True, False):
+        models[flag] = load_model(str(tmp_path / "tiny.gguf"), torch.bfloat16, "cpu", make_backend("cpu"),
+                                  with_tokenizer=False, packed_gemm=True, gguf_blocks=flag).model
+    on, off = models[True], models[False]
+    for model in (on, off):
+        assert model.compute_dtype == torch.float32
+        assert all(p.blocks.kind == "BF16" for layer in model.layers for p in layer.packed.values())
+    assert all(p.gguf.kind == "Q4_1" for layer in on.layers for p in layer.packed.values())
+    assert on._head_packed.gguf.kind == "Q4_1"
+    assert all(p.gguf is None for layer in off.layers for p in layer.packed.values()) and off._head_packed.gguf is None
+    gguf_bytes = sum(p.gguf.nbytes for layer in on.layers for p in layer.packed.values()) + on._head_packed.gguf.nbytes
+    assert weight_packing.block_panel_bytes(on) == weight_packing.block_panel_bytes(off) + gguf_bytes
+    assert run(on, torch.bfloat16)[1] == run(off, torch.bfloat16)[1]
+
+
+def test_bf16_gguf_blocks_hold_each_tensor_parallel_share(tmp_path):
+    """Rank 1 of 2 of a widened model keeps the file's blocks of its share of
+    q/k/v, gate/up and o, which read back (identity rows, <= 32 at a time)
+    as the file's values of that share: the float32 model's shard weights.
+    down's 80 input columns split a block: a float32 tensor, no blocks."""
+    hf_model = save_tiny_hf_model("llama_tied", str(tmp_path))
+    save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize="Q8_0")
+    checkpoint = GGUFCheckpoint(str(tmp_path / "tiny.gguf"))
+    shards = []
+    for dtype in (torch.bfloat16, torch.float32):
+        model = LlamaForCausalLM(checkpoint.config, make_backend("dense"), dtype=dtype, tp_rank=1, tp_size=2)
+        model.load_weights(checkpoint.tensor)
+        shards.append(model)
+    widened, plain = shards
+    weight_packing.widen_bf16(widened, blocks=checkpoint.blocks)
+    layer, want = widened.layers[1], plain.layers[1]
+    assert "down" not in layer.packed and layer.down_weight.dtype == torch.float32
+    for name in ("qkv", "o", "gate_up"):
+        weight, exact = getattr(layer, f"{name}_weight"), getattr(want, f"{name}_weight")
+        eye = torch.eye(weight.shape[1])
+        for start in range(0, weight.shape[1], 7):
+            rows = eye[start : start + 7]
+            assert route(rows.shape[0], layer.packed[name]) == "gguf"
+            assert torch.equal(linear(rows, weight, None, layer.packed[name]), exact[:, start : start + 7].t())

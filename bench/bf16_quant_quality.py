@@ -1,0 +1,103 @@
+"""What --gguf-blocks auto costs a bfloat16 model in quality: next-token
+agreement and top-5 logprob differences on real English text.
+
+    .venv/bin/python -m bench.bf16_quant_quality [--model PATH.gguf] [--max-tokens 256] [--chunk 32]
+
+Loads the GGUF three times through the executor's loader, as served on CPU
+(packed GEMM, KV cache in the model's dtype): bfloat16 widened with the
+file's Q4_1/Q8_0 blocks (--gguf-blocks auto), bfloat16 widened with its BF16
+blocks only (off), and float32. Each reads the same texts teacher-forced in
+steps of --chunk tokens (32 = BLOCKS_MAX_ROWS, so every GEMM of the first
+model, the head's included, runs on the file's blocks, as decode batches of
+1-32 do; prefills past 32 rows use the BF16 blocks in serving) and keeps
+the logits of every position. Prints, for each pair: how often the argmax
+agrees, and |logprob difference| over the reference's top 5 tokens (mean,
+99th percentile, max).
+
+The texts are the docstrings of stdlib modules (real English every Python
+ships, as tests/conftest.py english_prompts uses), each cut at --max-tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+from tokenizers import Tokenizer
+
+from executor_svc.attention import get_backend
+from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.model_loader import load_model
+
+MODULES = ("json", "logging", "argparse", "textwrap", "threading", "collections", "subprocess", "unittest",
+           "pickle", "socket", "email", "typing")
+BLOCK_SIZE = 16
+
+
+def texts() -> list[str]:
+    docs = [importlib.import_module(m).__doc__ for m in MODULES]
+    return [" ".join(d.split()) for d in docs if d]
+
+
+@torch.inference_mode()
+def logits_by_position(model, token_ids: list[int], chunk: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """float32 [len - 1, vocab]: logits after each token but the last, one
+    sequence fed `chunk` tokens a step into a paged KV cache."""
+    cfg = model.config
+    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+    shape = (num_blocks + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)]
+    table = torch.arange(1, num_blocks + 1, dtype=torch.int32).unsqueeze(0)  # block 0 stays unused
+    out = []
+    for start in range(0, len(token_ids) - 1, chunk):
+        end = min(start + chunk, len(token_ids) - 1)
+        n = end - start
+        meta = AttentionMetadata(
+            num_tokens=n, slot_mapping=torch.arange(start, end, dtype=torch.int64) + BLOCK_SIZE,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=table, max_query_len=n, max_seq_len=end, block_size=BLOCK_SIZE,
+            query_lens_cpu=[n], seq_lens_cpu=[end])
+        model.attn_backend.prepare(meta)
+        hidden = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), kv, meta)
+        out.append(model.compute_logits(hidden).float())
+    return torch.cat(out)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Argmax agreement and |logprob difference| on `want`'s top 5 tokens."""
+    got_lp, want_lp = got.log_softmax(-1), want.log_softmax(-1)
+    top5 = want_lp.topk(5, dim=-1).indices
+    diff = (got_lp.gather(-1, top5) - want_lp.gather(-1, top5)).abs().flatten()
+    return {
+        "agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+        "mean": diff.mean().item(), "p99": diff.quantile(0.99).item(), "max": diff.max().item(),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--num-threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.num_threads)
+    variants = {"bf16+gguf": (torch.bfloat16, True), "bf16": (torch.bfloat16, False), "float32": (torch.float32, True)}
+    logits, tokenizer = {}, None
+    for name, (dtype, blocks) in variants.items():
+        loaded = load_model(a.model, dtype, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=blocks)
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
+            docs = [tokenizer.encode(t, add_special_tokens=False).ids[: a.max_tokens] for t in texts()]
+        logits[name] = [logits_by_position(loaded.model, ids, a.chunk, dtype) for ids in docs]
+        del loaded
+    positions = sum(len(ids) - 1 for ids in docs)
+    print(f"{len(docs)} stdlib docstrings, {positions} positions, teacher-forced {a.chunk} tokens a step")
+    print(f"{'model vs reference':24} {'argmax agrees':>14} {'top-5 |dlogp| mean':>19} {'p99':>7} {'max':>7}")
+    for got, want in (("bf16+gguf", "bf16"), ("bf16+gguf", "float32"), ("bf16", "float32")):
+        r = compare(torch.cat(logits[got]), torch.cat(logits[want]))
+        print(f"{got + ' vs ' + want:24} {100 * r['agree']:13.2f}% {r['mean']:19.4f} {r['p99']:7.3f} {r['max']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
