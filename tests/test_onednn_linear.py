@@ -3,8 +3,6 @@
 bf16: slower there, but the same arithmetic)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -50,23 +48,42 @@ def test_onednn_rows_match_float64_within_bf16_activation_rounding(rows):
     assert ((got.double() - blocks.double()).abs() <= 2 * bound).all()
 
 
+class FakeClock:
+    """perf_counter for calibrate(): each stand-in kernel advances it by its cost,
+    so the test does not depend on how busy the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 def test_calibrate_picks_the_smallest_row_count_from_which_onednn_always_wins(monkeypatch):
     """A stand-in kernel slower than oneDNN from 64 rows on, except at 32
     rows (where it wins again): the crossover is 64, not 8."""
+    clock = FakeClock()
+    monkeypatch.setattr(onednn_linear, "time", clock)
+
     def fake_onednn(x, packed, bias):
-        time.sleep(0.002)
+        clock.now += 2.0
 
     def blocks_for(weight):
         def run(x):
             rows = x.shape[0]
-            time.sleep(0.001 if rows in (8, 32) else 0.004 if rows >= 64 else 0.003)
+            clock.now += 1.0 if rows in (8, 32) else 4.0 if rows >= 64 else 3.0
         return run
 
     monkeypatch.setattr(onednn_linear, "linear", fake_onednn)
     crossover, times = onednn_linear.calibrate(48, 64, blocks_for, reps=3)
     assert crossover == 64
+    assert times[64] == (4e6, 2e6) and times[32] == (1e6, 2e6)
     assert set(times) == set(onednn_linear.CALIBRATION_ROWS)
-    monkeypatch.setattr(onednn_linear, "linear", lambda x, packed, bias: time.sleep(0.01))
+
+    def slow_onednn(x, packed, bias):
+        clock.now += 10.0
+
+    monkeypatch.setattr(onednn_linear, "linear", slow_onednn)
     assert onednn_linear.calibrate(48, 64, blocks_for, reps=1)[0] is None
 
 
