@@ -366,7 +366,8 @@ class LlamaForCausalLM(nn.Module):
                     fill(dst, f"{p}{part}.bias", split=0)
 
     @torch.no_grad()
-    def pack_linear_weights(self, blocks: Callable[[str], tuple[str, torch.Tensor] | None] | None = None) -> None:
+    def pack_linear_weights(self, blocks: Callable[[str], tuple[str, torch.Tensor] | None] | None = None,
+                            batch_invariant: bool = False) -> None:
         """Adds the native CPU GEMM's packed copy of every linear weight and of
         the head (packed_linear.py), after load_weights, on float32 CPU models
         where the kernel was built. It doubles the linear weights' memory
@@ -376,7 +377,8 @@ class LlamaForCausalLM(nn.Module):
         weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
         kernel's small-batch path: a fused weight only if all its parts are
         blocks of one kind, and a row-parallel shard only if it starts on a
-        block boundary."""
+        block boundary. `batch_invariant`: the kernel takes every row count
+        (packed_linear.py), never MKL."""
         assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32, (
             f"packing needs a float32 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
         )
@@ -385,13 +387,15 @@ class LlamaForCausalLM(nn.Module):
             for name, (parts, split) in LINEAR_PARTS.items():
                 weight = getattr(layer, f"{name}_weight")
                 names = [f"model.layers.{i}.{part}.weight" for part in parts]
-                layer.packed[name] = PackedWeight(pack(weight), self._block_panels(blocks, names, split, weight))
+                layer.packed[name] = PackedWeight(pack(weight), self._block_panels(blocks, names, split, weight),
+                                                  batch_invariant)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head))
+        self._head_packed = PackedWeight(pack(head), self._block_panels(blocks, [head_name], None, head),
+                                         batch_invariant)
 
     @torch.no_grad()
-    def widen_bf16(self) -> None:
+    def widen_bf16(self, batch_invariant: bool = False) -> None:
         """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
         weights, for CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
         at a third of the float32 rate). After load_weights: every linear
@@ -403,7 +407,9 @@ class LlamaForCausalLM(nn.Module):
         bfloat16 values, in as many bytes as float32 weights alone (half what
         a float32 model keeps beside its panels); only the arithmetic is
         float32. A weight whose input width is not a multiple of 32 (possible
-        in a tensor-parallel shard) is widened to a float32 tensor instead.
+        in a tensor-parallel shard) is widened to a float32 tensor instead,
+        which `batch_invariant` also packs into float32 panels, so that no row
+        count reaches MKL (packed_linear.py).
         """
         assert self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.bfloat16, (
             f"widen_bf16 needs a bfloat16 CPU model, not {self.embed_tokens.dtype} on {self.embed_tokens.device}"
@@ -412,9 +418,10 @@ class LlamaForCausalLM(nn.Module):
         def packed(owner: nn.Module, attr: str) -> PackedWeight | None:
             weight = getattr(owner, attr)
             if weight.shape[1] % BLOCK_K:
-                setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
-                return None
-            return PackedWeight(None, pack_bf16(weight))
+                wide = weight.float()
+                setattr(owner, attr, nn.Parameter(wide, requires_grad=False))
+                return PackedWeight(pack(wide), None, True) if batch_invariant else None
+            return PackedWeight(None, pack_bf16(weight), batch_invariant)
 
         for layer in self.layers:
             layer.packed = {}
@@ -429,9 +436,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self._head_packed = packed(self, "lm_head")
         elif self.config.hidden_size % BLOCK_K == 0:  # the embedding stays bfloat16 for lookups
-            self._tied_head, self._head_packed = None, PackedWeight(None, pack_bf16(self.embed_tokens))
+            self._tied_head = None
+            self._head_packed = PackedWeight(None, pack_bf16(self.embed_tokens), batch_invariant)
         else:
             self._tied_head = self.embed_tokens.float().t().contiguous().t()
+            if batch_invariant:
+                self._head_packed = PackedWeight(pack(self._tied_head), None, True)
         self.rope_cos, self.rope_sin_signed = rope_cache(self.config, torch.float32, self.rope_cos.device)
         self.compute_dtype = torch.float32
 

@@ -56,7 +56,7 @@ def open_checkpoint(path: str | None):
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
-    gguf_blocks: bool = False,
+    gguf_blocks: bool = False, batch_invariant: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
@@ -64,13 +64,16 @@ def load_model(
     and with `gguf_blocks` also the Q4_1/Q8_0 blocks of a GGUF file; for a
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
     multiplies in float32 (model.widen_bf16). The caller checks that the
-    kernel is available and the model is on CPU."""
+    kernel is available and the model is on CPU. `batch_invariant` (with
+    `packed_gemm`): every linear layer through the kernel, whatever the row
+    count (--deterministic)."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
     if packed_gemm and dtype == torch.bfloat16:
-        model.widen_bf16()
+        model.widen_bf16(batch_invariant)
     elif packed_gemm:
-        model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None)
+        model.pack_linear_weights(checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
+                                  batch_invariant)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

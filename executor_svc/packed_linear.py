@@ -24,6 +24,14 @@ instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
 ~2.8x at 8-64, prefill 3.5x, docs/benchmarks.md). Past BF16_MAX_ROWS rows,
 where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
+
+Batch invariance (--deterministic, docs/determinism.md): the kernel sums
+every output over k in one fixed FMA chain per row, whatever M, the row
+tile, the chunk or the thread, so a row's result never depends on the other
+rows; MKL picks its algorithm and blocking by M. A `batch_invariant`
+PackedWeight therefore never routes to MKL: panels (or BF16 blocks) at
+every row count, GGUF blocks where they apply (their outputs are the panels'
+bit for bit).
 """
 from __future__ import annotations
 
@@ -168,6 +176,7 @@ class PackedWeight:
 
     panels: torch.Tensor | None  # pack(weight); None with pack_bf16 blocks
     blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
+    batch_invariant: bool = False  # never MKL: every row count through the kernel
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
@@ -175,11 +184,13 @@ class PackedWeight:
 
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks", "panels" or "torch" (MKL)."""
-    if packed is not None and packed.panels is None:  # bfloat16 weights
-        return "blocks" if rows <= BF16_MAX_ROWS else "torch"
-    if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
+    if packed is None:
+        return "torch"
+    if packed.panels is None:  # bfloat16 weights
+        return "blocks" if rows <= BF16_MAX_ROWS or packed.batch_invariant else "torch"
+    if packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
-    if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+    if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or packed.batch_invariant:
         return "panels"
     return "torch"
 
