@@ -228,3 +228,41 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
+
+
+@needs_native
+@pytest.mark.e2e
+def test_bfloat16_streams_resume_bit_identically_after_an_executor_sigkill(english_prompts):
+    """The outside test's bf16 case: greedy and seeded streams interrupted by
+    SIGKILL of the executor, recomputed by the scheduler in other batch
+    shapes, end with the tokens and logprobs of an uninterrupted run."""
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve_client import Client
+    from tests.servers import Servers
+
+    jobs = [(f"{english_prompts[i % len(english_prompts)][: 30 + 9 * i]} ({i})", i) for i in range(8)]
+    with Servers(executor_args=["--dtype", "bfloat16", "--deterministic", "--kv-cache-gib", "0.5"],
+                 scheduler_args=["--executor-recovery-timeout", "180"]) as s, Client(s.public_addr) as c:
+        def run(job):
+            prompt, i = job
+            sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.9, seed=100 + i)
+            r = c.complete(prompt, max_tokens=24, ignore_eos=True, logprobs=1, timeout=600, **sampling)[0]
+            return r.token_ids, [lp.logprob for lp in r.logprobs]
+
+        with ThreadPoolExecutor(8) as pool:
+            reference = list(pool.map(run, jobs))
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(run, j) for j in jobs]
+            steps_before = c.server_status().num_steps
+            while c.server_status().num_steps < steps_before + 6:
+                time.sleep(0.02)
+            s.executor.send_signal(signal.SIGKILL)
+            s.executor.wait()
+            assert not all(f.done() for f in futures), "the kill came too late to interrupt anything"
+            s.start_executor()
+            results = [f.result() for f in futures]
+    assert [r[0] for r in results] == [r[0] for r in reference]
+    assert results == reference  # logprobs too, bit for bit
