@@ -24,8 +24,9 @@ dtype, in the default mode and in --deterministic:
    preempted and recomputed: requests with identical tokens, with
    bit-identical logprobs, and the largest logprob difference.
 3. Cost per kernel, default vs deterministic route, interleaved rounds,
-   medians: the four linears of a layer plus the head at M rows, and one
-   layer's attention for prefill and decode batches.
+   medians: the four linears of a layer plus the head at M rows, one
+   layer's attention for prefill and decode batches, and whole steps
+   (ModelRunner.execute) of decodes, prefills and a long chunk.
 """
 from __future__ import annotations
 
@@ -213,6 +214,43 @@ def cost_attention(dtype: torch.dtype, rounds: int) -> list[str]:
     return lines
 
 
+STEP_CASES = {"64 decodes at context 256": [(255, 1)] * 64, "prefill 4 x 256": [(0, 256)] * 4,
+              "chunk of 512 after 512 cached": [(512, 512)], "32 decodes + prefill 256": [(255, 1)] * 32 + [(0, 256)]}
+
+
+def cost_steps(dtype: torch.dtype, rounds: int) -> list[str]:
+    """Whole steps (ModelRunner.execute: forward, LM head, sampling), default vs deterministic models."""
+    from shared.step_plan import NewRequestData, StepPlan
+
+    runners = {}
+    for det in (False, True):
+        model, backend = _load(dtype, det)
+        kv = allocate_kv_caches(model.config, 1200, 16, dtype, torch.device("cpu"))
+        runners[det] = ModelRunner(model, kv, 16, model.config.vocab_size, torch.device("cpu"), backend)
+    gen = torch.Generator().manual_seed(0)
+    lines, step = [], iter(range(1, 1 << 30))
+    for name, shapes in STEP_CASES.items():
+        def plan():
+            blocks, reqs = iter(range(1, 1200)), []
+            for i, (cached, new) in enumerate(shapes):
+                n = cached + new
+                reqs.append(NewRequestData(f"s{i}", torch.randint(100, 40000, (n,), generator=gen).tolist(), n,
+                                           SamplingParams(temperature=0.0), [next(blocks) for _ in range(-(-n // 16))],
+                                           cached, new))
+            return StepPlan(step_id=next(step), new_requests=reqs)
+
+        def run(det):
+            def go():
+                runners[det].reset()
+                runners[det].execute(plan())
+            return go
+
+        ms = _timed({"default": run(False), "det": run(True)}, rounds)
+        lines.append(f"  step {name:30}: default {ms['default']:8.1f} ms  deterministic {ms['det']:8.1f} ms  "
+                     f"ratio {ms['det'] / ms['default']:.2f}x")
+    return lines
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -220,9 +258,17 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--only-steps", action="store_true", help="only the whole-step costs")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    if a.only_steps:
+        for name in a.dtypes.split(","):
+            print(f"\n{name}: whole steps, default vs deterministic ({a.threads} threads, medians of {a.rounds})")
+            with torch.inference_mode():
+                for line in cost_steps(getattr(torch, name), a.rounds):
+                    print(line, flush=True)
+        return
     print(variance_sampler(), flush=True)
     for name in a.dtypes.split(","):
         dtype = getattr(torch, name)
@@ -242,6 +288,9 @@ def main(argv=None) -> None:
             print(f"\n{name}: cost, default vs deterministic ({a.threads} threads, medians of {a.rounds})", flush=True)
             with torch.inference_mode():
                 for line in cost_linears(model, a.rounds) + cost_attention(dtype, a.rounds):
+                    print(line, flush=True)
+                del model, backend
+                for line in cost_steps(dtype, a.rounds):
                     print(line, flush=True)
 
 

@@ -228,6 +228,12 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
+    from executor_svc.worker import use_packed_gemm
+
+    with pytest.raises(ValueError, match="CPU only"):
+        use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
+        assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
 
 
 @needs_native
