@@ -31,9 +31,12 @@ class EngineFlags:
     block_size: int | None = None
     prefix_caching: bool = True
     overlap_scheduling: bool = True
+    deterministic: bool = False
 
     def executor_args(self) -> list[str]:
         args = ["--dtype", self.dtype, "--num-threads", str(self.num_threads)]
+        if self.deterministic:
+            args.append("--deterministic")
         if self.kv_cache_gib is not None:
             args += ["--kv-cache-gib", str(self.kv_cache_gib)]
         if self.max_model_len is not None:

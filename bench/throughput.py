@@ -1,6 +1,6 @@
 """Offline throughput: N requests submitted at once, timed until the last one finishes.
 
-    python -m bench throughput [--baseline hf] [--dtype float32[,bfloat16]] [--repeats 3]
+    python -m bench throughput [--baseline hf] [--dtype float32[,bfloat16]] [--repeats 3] [--deterministic both]
 
 Reports requests/s, output tokens/s and total (prompt + output) tokens/s. With
 `--baseline hf` the same requests also run through Hugging Face `generate` in
@@ -12,10 +12,13 @@ cache the previous round filled), runs it, stops it, then runs the baselines,
 so that load from other users of a shared machine falls on all of them alike. The headline is the
 median over rounds of each round's PagedServe / best-HF ratio; with vLLM, a
 fresh vLLM process runs the requests once per round too, and its ratio is
-likewise the median of per-round ratios.
+likewise the median of per-round ratios. `--deterministic both` runs the
+executor without and with --deterministic, alternating within each round,
+and reports the median of the per-round on/off ratios (docs/determinism.md).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -39,6 +42,8 @@ def add_args(p) -> None:
                    help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)")
     p.add_argument("--no-overlap-scheduling", action="store_true",
                    help="start PagedServe's scheduler with --no-overlap-scheduling")
+    p.add_argument("--deterministic", choices=("off", "on", "both"), default="off",
+                   help="the executor's --deterministic; both: each dtype in both modes, alternating per round")
 
 
 def measure_pagedserve(target: str, requests, label: str) -> dict:
@@ -98,6 +103,29 @@ def run_dtype(args, flags: EngineFlags) -> dict:
     return _summarize(out)
 
 
+def run_modes(args, variants: list[EngineFlags]) -> list[dict]:
+    """The same dtype in several executor modes, one round of each in turn
+    (the order alternating between rounds), so that load from other users
+    of the machine falls on all of them alike. PagedServe alone: no baselines."""
+    one = argparse.Namespace(**{**vars(args), "repeats": 1, "baseline": "none", "vllm_python": None})
+    outs: list[dict | None] = [None] * len(variants)
+    for r in range(args.repeats):
+        order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            d = run_dtype(one, variants[i])
+            if outs[i] is None:
+                outs[i] = d
+            else:
+                outs[i]["pagedserve_rounds"] += d["pagedserve_rounds"]
+    outs = [_summarize(o) for o in outs]
+    base = outs[0]["pagedserve_rounds"]
+    for o in outs:
+        o["ratio_vs_first_mode_per_round"] = [p["output_tokens_per_s"] / b["output_tokens_per_s"]
+                                              for p, b in zip(o["pagedserve_rounds"], base)]
+        o["ratio_vs_first_mode"] = statistics.median(o["ratio_vs_first_mode_per_round"])
+    return outs
+
+
 def _summarize(out: dict) -> dict:
     ps = out["pagedserve_rounds"]
     out["pagedserve"] = {k: _median(ps, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
@@ -128,8 +156,10 @@ def _summarize(out: dict) -> dict:
 
 
 def table_rows(d: dict) -> list[list]:
-    rows = [[d["dtype"], "PagedServe", d["pagedserve"]["requests_per_s"], d["pagedserve"]["output_tokens_per_s"],
-             d["pagedserve"]["total_tokens_per_s"], ""]]
+    mode = " --deterministic" if d["engine_flags"]["deterministic"] else ""
+    rows = [[d["dtype"], "PagedServe" + mode, d["pagedserve"]["requests_per_s"], d["pagedserve"]["output_tokens_per_s"],
+             d["pagedserve"]["total_tokens_per_s"],
+             f"{d['ratio_vs_first_mode']:.3f}x" if "ratio_vs_first_mode" in d else ""]]
     for bs, h in d.get("hf", {}).items():
         ratio = d["pagedserve"]["output_tokens_per_s"] / h["output_tokens_per_s"]
         rows.append([d["dtype"], f"HF static bs={bs}", h["requests_per_s"], h["output_tokens_per_s"],
@@ -148,7 +178,7 @@ def chart(result: dict, path) -> None:
     labels, values, colors = [], [], []
     for d in result["dtypes"]:
         tag = f" ({d['dtype']})" if len(result["dtypes"]) > 1 else ""
-        labels.append("PagedServe" + tag)
+        labels.append("PagedServe" + (" det" if d["engine_flags"]["deterministic"] else "") + tag)
         values.append(d["pagedserve"]["output_tokens_per_s"])
         colors.append("tab:green")
         for bs, h in d.get("hf", {}).items():
@@ -172,10 +202,16 @@ def main(args, argv: list[str]) -> dict:
     if args.target and "," in args.dtype:
         raise ValueError("--target serves one dtype; give a single --dtype (it only labels the results)")
     result = report.new_result(SUITE, argv)
-    result["dtypes"] = [run_dtype(args, EngineFlags(dtype=dt, num_threads=args.num_threads,
-                                                    kv_cache_gib=args.kv_cache_gib,
-                                                    overlap_scheduling=not args.no_overlap_scheduling))
-                        for dt in args.dtype.split(",")]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
+
+    def flags(dt: str, deterministic: bool) -> EngineFlags:
+        return EngineFlags(dtype=dt, num_threads=args.num_threads, kv_cache_gib=args.kv_cache_gib,
+                           overlap_scheduling=not args.no_overlap_scheduling, deterministic=deterministic)
+
+    if len(modes) == 1:
+        result["dtypes"] = [run_dtype(args, flags(dt, modes[0])) for dt in args.dtype.split(",")]
+    else:
+        result["dtypes"] = [d for dt in args.dtype.split(",") for d in run_modes(args, [flags(dt, m) for m in modes])]
     table = [r for d in result["dtypes"] for r in table_rows(d)]
     print(report.format_table(["dtype", "system", "req/s", "out tok/s", "total tok/s", "PagedServe is"], table))
     for d in result["dtypes"]:
@@ -183,6 +219,9 @@ def main(args, argv: list[str]) -> dict:
             print(f"{d['dtype']}: PagedServe / best HF (bs={d['hf_best_batch_size']}) = "
                   f"{d['ratio_vs_best_hf']:.2f}x (median of per-round ratios "
                   f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_best_hf_per_round'])})")
+        if d["engine_flags"]["deterministic"] and "ratio_vs_first_mode_per_round" in d:
+            print(f"{d['dtype']}: --deterministic / default = {d['ratio_vs_first_mode']:.3f}x (median of per-round "
+                  f"ratios {', '.join(f'{x:.3f}' for x in d['ratio_vs_first_mode_per_round'])})")
         if "ratio_vs_vllm_per_round" in d:
             print(f"{d['dtype']}: PagedServe / vLLM = {d['ratio_vs_vllm']:.2f}x (median of per-round ratios "
                   f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_vllm_per_round'])})")

@@ -63,6 +63,7 @@ async def serve_worker(config, tp) -> int:
              dtype=str(worker.dtype),
              compute_dtype=str(worker.model.compute_dtype), kv_cache_dtype=str(worker.kv_dtype),
              device=worker.device.type, attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
+             deterministic=config.deterministic,
              block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
              tensor_parallel_size=config.tensor_parallel_size)
     metrics = ExecutorMetrics(config.metrics_prefix, model_id(worker.model_config.model_name))

@@ -30,6 +30,9 @@ class ExecutorConfig:
     cpu_gemm: str = "auto"  # auto: the native packed GEMM on AVX-512 CPUs (+ oneDNN bf16 where native bf16), else torch's
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches; float32 or widened bf16)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    # Batch-invariant kernels: a token's logits do not depend on the rest of the
+    # batch, on prefill chunking or on the thread count (docs/determinism.md).
+    deterministic: bool = False
     # How idle OpenMP threads wait between parallel regions: default = the
     # runtime's (libgomp: spin ~4 ms, then sleep), passive = sleep at once (for
     # cores shared with other busy processes), active = spin. Applied before
@@ -62,6 +65,9 @@ class ExecutorConfig:
             raise ValueError(f"--cpu-gemm {self.cpu_gemm!r}: expected one of {', '.join(CPU_GEMMS)}")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ValueError(f"--omp-wait-policy {self.omp_wait_policy!r}: expected one of {', '.join(OMP_WAIT_POLICIES)}")
+        if self.deterministic and (self.cpu_gemm == "torch" or self.attention_backend == "torch"):
+            raise ValueError("--deterministic needs the native CPU kernels: drop --cpu-gemm torch and "
+                             "--attention-backend torch (MKL's and SDPA's sums are ordered by the batch shape)")
         if self.gguf_blocks not in GGUF_BLOCKS:
             raise ValueError(f"--gguf-blocks {self.gguf_blocks!r}: expected one of {', '.join(GGUF_BLOCKS)}")
         if not self.kv_cache_gib > 0:
@@ -112,6 +118,12 @@ def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
                         "1.14x at 32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
                         "off = float32 (or bfloat16) weights only.")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
+    p.add_argument("--deterministic", action="store_true", default=d.deterministic,
+                   help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
+                        "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
+                        "chunked, after preemption or executor recovery, at any --num-threads "
+                        "(docs/determinism.md). Linear layers never use MKL, and prefill attention runs "
+                        "the decode kernel's reduction order. CPU only.")
     p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
                    help="How idle CPU threads wait between parallel regions: default = the OpenMP runtime's "
                         "(libgomp spins ~4 ms, then sleeps: fastest on cores of its own; beside another busy "
@@ -162,6 +174,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             cpu_gemm=a.cpu_gemm,
             gguf_blocks=a.gguf_blocks,
             num_threads=a.num_threads,
+            deterministic=a.deterministic,
             omp_wait_policy=a.omp_wait_policy,
             max_model_len=a.max_model_len,
             tensor_parallel_size=a.tensor_parallel_size,

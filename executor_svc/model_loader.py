@@ -78,7 +78,7 @@ def onednn_crossover(config, tp_size: int) -> int | None:
 def load_model(
     path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend: AttentionBackend,
     *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
-    gguf_blocks: bool = False, bf16_onednn: bool = False,
+    gguf_blocks: bool = False, bf16_onednn: bool = False, batch_invariant: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
@@ -88,13 +88,16 @@ def load_model(
     multiplies in float32 (weight_packing.py, the post-load hook), keeping
     the file's blocks for small batches too with `gguf_blocks`, and with
     `bf16_onednn` (CPUs with native bf16) also hands the larger row counts to
-    oneDNN's bf16 GEMM from a row count calibrated here. The caller checks
-    that the kernel is available and the model is on CPU."""
+    oneDNN's bf16 GEMM from a row count calibrated here. `batch_invariant`
+    (--deterministic): every linear layer through the kernel, whatever the
+    row count. The caller checks that the kernel is available and the model
+    is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     model.load_weights(checkpoint.tensor)
     if packed_gemm:
         weight_packing.apply(model, checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
-                             onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None)
+                             onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None,
+                             batch_invariant=batch_invariant)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

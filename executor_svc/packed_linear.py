@@ -31,6 +31,15 @@ beside its BF16 ones (`PackedWeight.gguf`, --gguf-blocks auto): 1 to
 BLOCKS_MAX_ROWS rows (below any oneDNN crossover) read those instead, 5 or
 8.5 bits per weight instead of 16, and multiply the file's exact values, so
 those outputs are the float32 model's block-path outputs bit for bit.
+
+Batch invariance (--deterministic, docs/determinism.md): the kernel sums
+every output over k in one fixed FMA chain per row, whatever M, the row
+tile, the chunk or the thread, so a row's result never depends on the other
+rows; MKL picks its algorithm and blocking by M. A `batch_invariant`
+PackedWeight therefore never routes to MKL: panels (or BF16 blocks) at
+every row count, GGUF blocks where they apply (their outputs are the panels'
+bit for bit), never oneDNN, and no file blocks beside bfloat16 ones (their
+values are not the BF16 blocks').
 """
 from __future__ import annotations
 
@@ -176,6 +185,7 @@ class PackedWeight:
     # With bfloat16 blocks and a GGUF file: the file's Q4_1/Q8_0 blocks of the
     # same weight (pack_blocks), which take 1..BLOCKS_MAX_ROWS rows.
     gguf: BlockPanels | None = None
+    batch_invariant: bool = False  # never MKL: every row count through the kernel
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
@@ -187,15 +197,17 @@ class PackedWeight:
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks" (the kernel over `packed.blocks`),
     "gguf" (over `packed.gguf`), "panels", "onednn" or "torch" (MKL)."""
-    if packed is not None and packed.onednn is not None and rows >= packed.onednn_min_rows:
+    if packed is None:
+        return "torch"
+    if packed.onednn is not None and rows >= packed.onednn_min_rows:
         return "onednn"
-    if packed is not None and packed.panels is None:  # bfloat16 weights
+    if packed.panels is None:  # bfloat16 weights
         if packed.gguf is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
             return "gguf"
-        return "blocks" if rows <= BF16_MAX_ROWS else "torch"
-    if packed is not None and packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
+        return "blocks" if rows <= BF16_MAX_ROWS or packed.batch_invariant else "torch"
+    if packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
-    if packed is not None and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS:
+    if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or packed.batch_invariant:
         return "panels"
     return "torch"
 

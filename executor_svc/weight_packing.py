@@ -30,19 +30,21 @@ from executor_svc.packed_linear import BLOCK_K, PackedWeight, pack, pack_bf16, p
 BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
 
 
-def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min_rows: int | None = None) -> None:
+def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min_rows: int | None = None,
+          batch_invariant: bool = False) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
     bfloat16 one (with oneDNN from `onednn_min_rows` rows where given), either
-    with the GGUF `blocks` where given. The caller has checked that the
-    kernel is available (worker.use_packed_gemm)."""
+    with the GGUF `blocks` where given; `batch_invariant` (--deterministic)
+    sends every row count through the kernel (packed_linear.py). The caller
+    has checked that the kernel is available (worker.use_packed_gemm)."""
     if model.embed_tokens.dtype == torch.bfloat16:
-        widen_bf16(model, onednn_min_rows, blocks)
+        widen_bf16(model, onednn_min_rows, blocks, batch_invariant)
     else:
-        pack_linear_weights(model, blocks)
+        pack_linear_weights(model, blocks, batch_invariant)
 
 
 @torch.no_grad()
-def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = None) -> None:
+def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False) -> None:
     """Adds the native CPU GEMM's packed copy of every linear weight and of
     the head (packed_linear.py), after load_weights, on float32 CPU models
     where the kernel was built. It doubles the linear weights' memory
@@ -52,7 +54,8 @@ def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = No
     weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
     kernel's small-batch path: a fused weight only if all its parts are
     blocks of one kind, and a row-parallel shard only if it starts on a
-    block boundary."""
+    block boundary. Their outputs are the panels' bit for bit, so
+    `batch_invariant` keeps them."""
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.float32, (
         f"packing needs a float32 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -61,14 +64,17 @@ def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = No
         for name, (parts, split) in LINEAR_PARTS.items():
             weight = getattr(layer, f"{name}_weight")
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            layer.packed[name] = PackedWeight(pack(weight), _block_panels(model, blocks, names, split, weight))
+            layer.packed[name] = PackedWeight(pack(weight), _block_panels(model, blocks, names, split, weight),
+                                              batch_invariant=batch_invariant)
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    model._head_packed = PackedWeight(pack(head), _block_panels(model, blocks, [head_name], None, head))
+    model._head_packed = PackedWeight(pack(head), _block_panels(model, blocks, [head_name], None, head),
+                                      batch_invariant=batch_invariant)
 
 
 @torch.no_grad()
-def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, blocks: BlockSource | None = None) -> None:
+def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, blocks: BlockSource | None = None,
+               batch_invariant: bool = False) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
     at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
@@ -93,7 +99,14 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, bloc
     bits a weight instead of 16, and the file's exact values where the
     bfloat16 weights hold them rounded. They cost 5/16 or 8.5/16 of the
     bfloat16 weights' memory on top.
+
+    `batch_invariant` (--deterministic): every row count through the kernel
+    over the BF16 blocks, so neither oneDNN nor the file's blocks (whose
+    values differ from the BF16 ones); a weight widened to float32 for its
+    width is packed into float32 panels instead of going to MKL.
     """
+    if batch_invariant:
+        onednn_min_rows, blocks = None, None
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -101,14 +114,15 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, bloc
     def packed(owner: nn.Module, attr: str, names: list[str], split: int | None = None) -> PackedWeight | None:
         weight = getattr(owner, attr)
         if weight.shape[1] % BLOCK_K:
-            setattr(owner, attr, nn.Parameter(weight.float(), requires_grad=False))
-            return None
+            wide = weight.float()
+            setattr(owner, attr, nn.Parameter(wide, requires_grad=False))
+            return PackedWeight(pack(wide), None, batch_invariant=True) if batch_invariant else None
         return bf16_packed(weight, names, split)
 
     def bf16_packed(weight: torch.Tensor, names: list[str], split: int | None = None) -> PackedWeight:
         gguf = _block_panels(model, blocks, names, split, weight)
         if onednn_min_rows is None:
-            return PackedWeight(None, pack_bf16(weight), gguf=gguf)
+            return PackedWeight(None, pack_bf16(weight), gguf=gguf, batch_invariant=batch_invariant)
         return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows, gguf)
 
     for i, layer in enumerate(model.layers):
@@ -127,6 +141,8 @@ def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, bloc
         model._tied_head, model._head_packed = None, bf16_packed(model.embed_tokens, ["model.embed_tokens.weight"])
     else:
         model._tied_head = model.embed_tokens.float().t().contiguous().t()
+        if batch_invariant:
+            model._head_packed = PackedWeight(pack(model._tied_head), None, batch_invariant=True)
     model.rope_cos, model.rope_sin_signed = rope_cache(model.config, torch.float32, model.rope_cos.device)
     model.compute_dtype = torch.float32
 

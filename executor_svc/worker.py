@@ -71,14 +71,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> bool:
     """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
     for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
-    weight_packing.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own)."""
+    weight_packing.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own).
+    --deterministic needs it for either dtype on every CPU: its sums are the
+    batch-invariant ones (docs/determinism.md)."""
+    if deterministic and device.type != "cpu":
+        raise ValueError("--deterministic runs on CPU only: on CUDA the linear layers are cuBLAS GEMMs, whose "
+                         "reduction order depends on the batch size (docs/determinism.md)")
     if name == "torch" or device.type != "cpu":
         return False
     # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
     built = packed_linear.kernel() is not None
+    if deterministic and not built:
+        raise ValueError("--deterministic needs the native GEMM (an x86 CPU with AVX-512 and a C compiler)")
     if name == "native" and not built:
         raise ValueError("--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; the kernel is unavailable")
     return built
@@ -105,16 +112,17 @@ class Worker:
             backend = "triton" if self.device.type == "cuda" else "cpu"
         if backend == "triton" and self.kv_dtype != self.dtype:
             raise ValueError("--kv-cache-dtype different from --dtype is supported by the cpu and torch backends only")
-        self.attn_backend = get_backend(backend)
+        self.attn_backend = get_backend(backend, config.deterministic)
         if self.device.type == "cpu" and (config.num_threads or tp is not None):
             # Ranks on one host share its cores: by default each takes an equal
             # share, since oversubscribed OpenMP threads spin against each other.
             torch.set_num_threads(config.num_threads or max(1, torch.get_num_threads() // self.tp_size))
-        self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype)
+        self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype, config.deterministic)
         loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
                             tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver,
                             packed_gemm=self.packed_gemm, gguf_blocks=config.gguf_blocks == "auto",
-                            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype))
+                            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype) and not config.deterministic,
+                            batch_invariant=config.deterministic)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap

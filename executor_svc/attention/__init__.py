@@ -14,11 +14,14 @@ from executor_svc.attention.metadata import AttentionMetadata
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str, batch_invariant: bool = False) -> AttentionBackend:
     """Returns the backend called `name` ("cpu", "torch" or "triton").
 
     "cpu" needs a C compiler for its decode kernel; without one it falls back
-    to "torch" (and says so in the log).
+    to "torch" (and says so in the log), except with `batch_invariant`
+    (--deterministic), which needs the kernel and raises ValueError. The
+    Triton kernel is batch-invariant as it stands (triton_backend.py); the
+    torch backend's SDPA is not.
     """
     if name == "cpu":
         from executor_svc.attention import native_kernel
@@ -27,9 +30,13 @@ def get_backend(name: str) -> AttentionBackend:
         if kernel is not None:
             from executor_svc.attention.cpu_backend import CpuAttentionBackend
 
-            return CpuAttentionBackend(kernel, native_kernel.load_prefill())
+            return CpuAttentionBackend(kernel, native_kernel.load_prefill(), batch_invariant)
+        if batch_invariant:
+            raise ValueError("--deterministic needs the native CPU attention kernel, which could not be built here")
         name = "torch"
     if name == "torch":
+        if batch_invariant:
+            raise ValueError("--deterministic: the torch attention backend (SDPA) is not batch-invariant")
         from executor_svc.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()

@@ -15,6 +15,16 @@ Prefill work items, for request r with q new tokens and seq_len L
 
     item k:  query rows starts[r] + 16k .. + count - 1     count = min(16, q - 16k)
              positions  L - q + 16k ..                     attends to 0 .. its own
+
+Batch invariance (`batch_invariant`, --deterministic): the two kernels sum
+q.k in different orders (decode: 16 lanes of d, then a tree; prefill: d in
+sequence), so a token's attention would depend on whether it was decoded or
+recomputed in a prefill chunk. In this mode every query token, prefill ones
+included, is one item of the decode kernel, with its own length (position +
+1) and its request's block-table row: each token then attends in one fixed
+order, key chunks of 16 from position 0 with an online softmax, whatever
+the batch, the chunking or the thread count (the kernel's split of work
+across threads never splits a head's sums).
 """
 from __future__ import annotations
 
@@ -34,6 +44,10 @@ class _Decodes:
     tokens: torch.Tensor  # [n] int64, query token of each decode
     seq_index: torch.Tensor  # [n] int32, its row in block_tables / seq_lens
     max_seq_len: int
+    # Per-token rows (batch-invariant mode): each item's own block-table row
+    # and length; None = the step's meta.block_tables and meta.seq_lens.
+    block_tables: torch.Tensor | None = None  # [n, max blocks] int32
+    seq_lens: torch.Tensor | None = None  # [n] int32
 
 
 @dataclass
@@ -55,15 +69,19 @@ class _CpuStepLayout:
 class CpuAttentionBackend:
     name = "cpu"
 
-    def __init__(self, kernel, prefill_kernel: PrefillKernel | None = None):
+    def __init__(self, kernel, prefill_kernel: PrefillKernel | None = None, batch_invariant: bool = False):
         self._kernel = kernel
         self._prefill_kernel = prefill_kernel
+        self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
         self.write_kv = self._prefills.write_kv
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)
         meta.extra.pop(self._prefills.name, None)  # the SDPA plan is built only if a layer needs it
+        if self.batch_invariant:
+            meta.extra[self.name] = _CpuStepLayout(_every_token_decodes(meta), False, None)
+            return
         rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
         decodes = None
         if rows:
@@ -120,7 +138,10 @@ class CpuAttentionBackend:
         d = plan.decodes
         if d is None:
             return out
-        seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
+        if d.block_tables is not None:
+            tables, seq_lens = d.block_tables, d.seq_lens
+        else:
+            seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
         status = self._kernel(
             target.data_ptr(), target.stride(0), target.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
@@ -158,6 +179,22 @@ class CpuAttentionBackend:
             raise MemoryError("native prefill attention could not allocate its scratch buffers")
         assert status == 0, f"native prefill attention rejected its work items (status {status})"
         return items.rows
+
+
+def _every_token_decodes(meta: AttentionMetadata) -> _Decodes:
+    """Every query token of the step as a decode item of its own (batch-invariant
+    mode): token i of request r, at position p, reads r's block-table row and
+    p + 1 keys."""
+    query_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int64)
+    seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(meta.query_lens_cpu)), query_lens)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    token = torch.arange(meta.num_tokens, dtype=torch.int64)
+    lengths = seq_lens[row] - query_lens[row] + (token - starts[row]) + 1
+    tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+    return _Decodes(tokens=token, seq_index=torch.arange(meta.num_tokens, dtype=torch.int32),
+                    max_seq_len=max(meta.seq_lens_cpu), block_tables=tables.index_select(0, row).contiguous(),
+                    seq_lens=lengths.to(torch.int32))
 
 
 def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems:

@@ -1,0 +1,274 @@
+"""--deterministic: a request's tokens and logprobs do not depend on the rest of
+the batch, on how its prefill is chunked, on a prefix-cache hit, on
+preemption by recompute, on the thread count or on an executor restart
+(docs/determinism.md).
+
+Most cases drive a ModelRunner with step plans (tests/plan_driver.py) over a
+tiny random Qwen2 saved as a Q8_0 GGUF: head_dim 64, so the native decode
+kernel's AVX-512 path runs, and GGUF blocks, float32 panels and (bfloat16)
+BF16 blocks all take part. Every comparison is exact: token ids, and the
+logprob floats bit for bit.
+
+The Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 must be
+set before triton is first imported, as in test_attention.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from executor_svc import packed_linear  # noqa: E402
+from executor_svc.attention import get_backend  # noqa: E402
+from executor_svc.attention.reference import make_batch  # noqa: E402
+from executor_svc.config import parse_config  # noqa: E402
+from executor_svc.kv_cache import allocate_kv_caches  # noqa: E402
+from executor_svc.model_loader import load_model  # noqa: E402
+from executor_svc.model_runner import ModelRunner  # noqa: E402
+from executor_svc.sampler import Sampler, build_sampling_metadata  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
+from tests.plan_driver import Job, PlanDriver  # noqa: E402
+
+NATIVE = packed_linear.kernel() is not None and get_backend("cpu").name == "cpu"
+needs_native = pytest.mark.skipif(not NATIVE, reason="--deterministic needs the AVX-512 native kernels")
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, logprobs=2)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=1234, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    hf = save_tiny_hf_model("qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320,
+                            max_position_embeddings=512)
+    path = str(folder / "tiny.Q8_0.gguf")
+    save_tiny_gguf(hf, path, "Q8_0")
+    return path
+
+
+def make_runner(path: str, dtype: torch.dtype) -> ModelRunner:
+    backend = get_backend("cpu", batch_invariant=True)
+    loaded = load_model(path, dtype, "cpu", backend, with_tokenizer=False, packed_gemm=True, gguf_blocks=True,
+                        batch_invariant=True)
+    kv = allocate_kv_caches(loaded.config, 600, BLOCK, dtype, torch.device("cpu"))
+    return ModelRunner(loaded.model, kv, BLOCK, loaded.config.vocab_size, torch.device("cpu"), backend)
+
+
+def prompts(n_tokens=(5, 23, 40, 70, 300)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in n_tokens]
+
+
+def jobs(arrive=(0, 0, 0, 0, 0), max_tokens: int = 10) -> list[Job]:
+    return [Job(f"r{i}", p, max_tokens, GREEDY if i % 2 == 0 else SEEDED, arrive=arrive[i])
+            for i, p in enumerate(prompts())]
+
+
+def as_numbers(out) -> dict:
+    """Token ids and every logprob (sampled and top) as floats: compared with ==, bit for bit."""
+    return {rid: (o.tokens, [(lp.logprob, lp.top) for lp in o.logprobs]) for rid, o in out.items()}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_outputs_are_bit_identical_whatever_the_batch_chunking_prefix_preemption_or_threads(tiny_gguf, dtype):
+    driver = PlanDriver(make_runner(tiny_gguf, dtype), BLOCK)
+    alone = {}
+    for job in jobs():
+        alone.update(as_numbers(driver.run([job])))
+    assert len({tuple(t) for t, _ in alone.values()}) == len(alone), "distinct prompts should give distinct outputs"
+    scenarios = {
+        "batched, staggered arrivals": dict(jobs=jobs((0, 2, 3, 5, 1))),
+        # Prefill chunks of several sizes, beside other requests' decodes; the 300-token
+        # prompt also passes 256 and 257 rows (once MKL's territory) with the big budget.
+        "token budget 5": dict(jobs=jobs(), token_budget=5),
+        "token budget 16": dict(jobs=jobs((0, 1, 1, 4, 0)), token_budget=16),
+        "token budget 33": dict(jobs=jobs((0, 0, 3, 3, 1)), token_budget=33),
+        "token budget 400": dict(jobs=jobs((2, 0, 0, 1, 0)), token_budget=400),
+        "preempted and recomputed": dict(jobs=jobs((0, 0, 1, 1, 0)), preempt={"r0": 3, "r1": 5, "r3": 1, "r4": 7}),
+    }
+    for name, kw in scenarios.items():
+        assert as_numbers(driver.run(**kw)) == alone, name
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert as_numbers(driver.run(jobs((0, 1, 2, 3, 4)), token_budget=64)) == alone, "another thread count"
+    finally:
+        torch.set_num_threads(threads)
+
+    # A prefix-cache hit: r5 starts on r4's first 4 blocks (64 tokens of KV computed by r4's prefill).
+    shared = prompts()[4][: 4 * BLOCK] + prompts()[2]
+    fresh = driver.run([Job("r5", shared, 10, SEEDED)])
+    hit = driver.run([Job("r5", shared, 10, SEEDED, prefix_of=("r4", 4))])
+    assert as_numbers(hit) == as_numbers(fresh)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["float32 panels", "Q8_0 blocks", "bfloat16 blocks"])
+def test_a_batch_invariant_linear_row_is_the_same_at_every_row_count_and_thread_count(kind):
+    import gguf
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 96, generator=gen)
+    if kind == "bfloat16 blocks":
+        weight = weight.bfloat16()
+        packed = packed_linear.PackedWeight(None, packed_linear.pack_bf16(weight), batch_invariant=True)
+    else:
+        blocks = None
+        if kind == "Q8_0 blocks":
+            rows = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+            weight = torch.from_numpy(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q8_0).copy())
+            blocks = packed_linear.pack_blocks("Q8_0", torch.from_numpy(rows).view(100, 3, 34))
+        packed = packed_linear.PackedWeight(packed_linear.pack(weight), blocks, batch_invariant=True)
+    x = torch.randn(700, 96, generator=gen)
+    alone = packed_linear.linear(x[:1], weight, None, packed)
+    for m in (2, 31, 33, 256, 257, 513, 700):
+        assert packed_linear.route(m, packed) != "torch"
+        assert torch.equal(packed_linear.linear(x[:m], weight, None, packed)[:1], alone), m
+    full = packed_linear.linear(x, weight, None, packed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert torch.equal(packed_linear.linear(x, weight, None, packed), full)
+    finally:
+        torch.set_num_threads(threads)
+    # Without the flag, past the kernel's row range MKL takes over: the mode is what makes the difference.
+    assert packed_linear.route(700, dataclasses.replace(packed, batch_invariant=False)) == "torch"
+
+
+def attend_in_chunks(backend, chunks: list[int], dtype: torch.dtype, seq_len: int, head_dim: int = 64,
+                     others: int = 0) -> torch.Tensor:
+    """Every token of one request computed in steps of the given sizes (1 = a decode), each
+    step beside `others` (<= 3) decodes of other requests; returns its tokens' outputs. The
+    data are the same whatever `others`: the batch always holds the 3 others."""
+    base = make_batch([(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)], block_size=BLOCK,
+                      num_kv_heads=2, group=3, head_dim=head_dim, dtype=dtype, seed=3)
+    ctx = base.meta.seq_lens_cpu[1:1 + others]
+    k_cache, v_cache = base.k_cache.clone(), base.v_cache.clone()
+    outs, start = [], 0
+    for n in chunks:
+        n = min(n, seq_len - start)
+        rows = list(range(start, start + n)) + list(range(seq_len, seq_len + others))
+        meta = dataclasses.replace(
+            base.meta, num_tokens=len(rows), slot_mapping=base.meta.slot_mapping[rows],
+            query_start_loc=torch.tensor([0, n] + [n + i + 1 for i in range(others)], dtype=torch.int32),
+            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32), max_query_len=n,
+            max_seq_len=max([start + n] + ctx), query_lens_cpu=[n] + [1] * others,
+            seq_lens_cpu=[start + n] + ctx, extra={})
+        backend.prepare(meta)
+        backend.write_kv(base.new_key[rows], base.new_value[rows], k_cache, v_cache, meta)
+        outs.append(backend.forward(base.query[rows], k_cache, v_cache, meta, base.scale)[:n])
+        start += n
+        if start == seq_len:
+            return torch.cat(outs)
+    raise AssertionError("chunks do not cover the request")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-path", "portable-path"])
+def test_cpu_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype, head_dim):
+    backend = get_backend("cpu", batch_invariant=True)
+    seq_len = 45
+    decoded = attend_in_chunks(backend, [1] * seq_len, dtype, seq_len, head_dim)
+    for chunks, others in (([seq_len], 0), ([5] * 9, 0), ([16] * 3, 3), ([1, 30, 14], 2)):
+        out = attend_in_chunks(backend, chunks, dtype, seq_len, head_dim, others)
+        assert torch.equal(out, decoded), (chunks, others)
+
+
+@pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
+def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk():
+    """One kernel for decodes and prefills, a fixed tile shape and key chunks
+    from position 0: per query row the same arithmetic however it is batched."""
+    pytest.importorskip("triton")
+    from executor_svc.attention.triton_backend import TritonAttentionBackend
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case; on a GPU the attention tests run the kernels themselves")
+    backend = TritonAttentionBackend(block_q=4, block_n=16)
+    seq_len = 21
+    decoded = attend_in_chunks(backend, [1] * seq_len, torch.float32, seq_len, head_dim=16)
+    for chunks, others in (([seq_len], 0), ([6, 15], 1)):
+        assert torch.equal(attend_in_chunks(backend, chunks, torch.float32, seq_len, 16, others), decoded), chunks
+
+
+def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 5000, generator=gen) * 4
+    logits[:, :50] = logits[:, 50:100]  # ties, at the top-k and top-p thresholds too
+    params = [SEEDED, GREEDY, dataclasses.replace(SEEDED, seed=5, top_p=1.0), SEEDED,
+              dataclasses.replace(SEEDED, top_k=0), GREEDY]
+    sampler = Sampler()
+
+    def sample(rows):
+        md = build_sampling_metadata([params[r] for r in rows], [[1]] * len(rows), [[2] * r for r in rows],
+                                     5000, "cpu")
+        out = sampler(logits[rows], md)
+        return [(t, lp.logprob, lp.top) for t, lp in zip(out.sampled_token_ids.tolist(), out.logprobs)]
+
+    batch = sample(list(range(6)))
+    for r in range(6):
+        assert sample([r]) == [batch[r]], r
+    assert sample([3, 0]) == [batch[3], batch[0]]
+
+
+def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
+    assert parse_config(["--deterministic"]).deterministic
+    assert not parse_config([]).deterministic
+    assert parse_config([], environ={"PAGEDSERVE_DETERMINISTIC": "1"}).deterministic
+    for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
+        with pytest.raises(SystemExit):
+            parse_config(["--deterministic", *flags])
+    from executor_svc.worker import use_packed_gemm
+
+    with pytest.raises(ValueError, match="CPU only"):
+        use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
+        assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
+
+
+@needs_native
+@pytest.mark.e2e
+def test_bfloat16_streams_resume_bit_identically_after_an_executor_sigkill(english_prompts):
+    """The outside test's bf16 case: greedy and seeded streams interrupted by
+    SIGKILL of the executor, recomputed by the scheduler in other batch
+    shapes, end with the tokens and logprobs of an uninterrupted run."""
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve_client import Client
+    from tests.servers import Servers
+
+    jobs = [(f"{english_prompts[i % len(english_prompts)][: 30 + 9 * i]} ({i})", i) for i in range(8)]
+    with Servers(executor_args=["--dtype", "bfloat16", "--deterministic", "--kv-cache-gib", "0.5"],
+                 scheduler_args=["--executor-recovery-timeout", "180"]) as s, Client(s.public_addr) as c:
+        def run(job):
+            prompt, i = job
+            sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.9, seed=100 + i)
+            r = c.complete(prompt, max_tokens=24, ignore_eos=True, logprobs=1, timeout=600, **sampling)[0]
+            return r.token_ids, [lp.logprob for lp in r.logprobs]
+
+        with ThreadPoolExecutor(8) as pool:
+            reference = list(pool.map(run, jobs))
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(run, j) for j in jobs]
+            steps_before = c.server_status().num_steps
+            while c.server_status().num_steps < steps_before + 6:
+                time.sleep(0.02)
+            s.executor.send_signal(signal.SIGKILL)
+            s.executor.wait()
+            assert not all(f.done() for f in futures), "the kill came too late to interrupt anything"
+            s.start_executor()
+            results = [f.result() for f in futures]
+    assert [r[0] for r in results] == [r[0] for r in reference]
+    assert results == reference  # logprobs too, bit for bit
