@@ -62,7 +62,10 @@ class PlanDriver:
         """Runs every job to max_tokens; `preempt` maps a request id to the
         number of its sampled tokens after which it is preempted once."""
         preempt = dict(preempt or {})
-        self.runner.reset()
+        # Forget the previous run's requests but keep the KV: a later prefix_of job reads
+        # blocks an earlier run computed, as a scheduler's prefix cache does within one
+        # session (runner.reset() zeroes the KV, as on a new scheduler's handshake).
+        self.runner.requests.clear()
         outputs = {j.request_id: Output() for j in jobs}
         live: dict[str, _Live] = {}
         finished: list[str] = []
