@@ -2,12 +2,14 @@
 
 Gauges and the cache/preemption counters are read from the scheduler at scrape
 time (no per-step cost); per-request latencies are observed by the engine as
-tokens arrive. Every series carries a `model_name` label, and the prefix is
+tokens arrive (the output processor calls the `observe_*` methods). Every series carries a `model_name` label, and the prefix is
 `--metrics-prefix` (`vllm` makes vLLM's Grafana dashboards work unchanged).
 The per-request metrics exist once the model is known (`bind`, at the first
 executor handshake); no request is admitted before.
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -82,6 +84,9 @@ class SchedulerMetrics:
             generation_len=histogram("request_generation_tokens", "Output length of finished samples.", _TOKEN_BUCKETS),
         )
         self._request_success = counter("request_success", "Finished samples by finish reason.", ["finished_reason"])
+        # Totals for the periodic stats line (stats_logger.py): tokens the executor computed, tokens streamed.
+        self.computed_tokens = 0
+        self.generated_tokens = 0
 
     def bind(self, model_name: str) -> None:
         """Labels every series with the served model (called once, when the model is known)."""
@@ -91,3 +96,28 @@ class SchedulerMetrics:
 
     def request_success(self, reason: str):
         return self._request_success.labels(self.model_name, reason)
+
+    def observe_step(self, num_tokens: int) -> None:
+        """A step succeeded: the executor computed `num_tokens` tokens."""
+        self.computed_tokens += num_tokens
+
+    def observe_scheduled(self, arrival: float, now: float) -> None:
+        """A sample was scheduled for the first time."""
+        self.queue_time.observe(now - arrival)
+
+    def observe_tokens(self, count: int, arrival: float, last_token_time: float | None, now: float) -> None:
+        """`count` (> 0) new tokens of one sample; `last_token_time` None for its first."""
+        if last_token_time is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.itl.observe((now - last_token_time) / count)
+        self.generation_tokens.inc(count)
+        self.generated_tokens += count
+
+    def observe_finished(self, reason: str, num_prompt_tokens: int, num_output_tokens: int, arrival: float) -> None:
+        """A sample ended (client aborts included)."""
+        self.request_success(reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_len.observe(num_prompt_tokens)
+        self.generation_len.observe(num_output_tokens)
+        self.e2e.observe(time.monotonic() - arrival)

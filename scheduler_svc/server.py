@@ -26,8 +26,10 @@ from grpc_status import rpc_status
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Engine, EngineUnavailable, FinishReason, QueueFull, SampleOutput
+from scheduler_svc.engine import Engine, EngineUnavailable
 from scheduler_svc.grammar import GrammarError, GrammarTimeout
+from scheduler_svc.intake import QueueFull
+from scheduler_svc.output_processor import FinishReason, SampleOutput
 from scheduler_svc.text_work import TextWorkers
 from scheduler_svc.validation import InvalidRequest, Limits, chat_work_size, render_chat, to_generation_input, work_size
 from shared.grpc_auth import ANONYMOUS, Caller, TokenTable

@@ -37,7 +37,7 @@ class StatsLogger:
 
     def _totals(self, stats, now: float) -> _Totals:
         e = self._engine
-        return _Totals(now, e.computed_tokens, e.generated_tokens, stats.prefix_cache_queries_tokens,
+        return _Totals(now, e.metrics.computed_tokens, e.metrics.generated_tokens, stats.prefix_cache_queries_tokens,
                        stats.prefix_cache_hits_tokens, stats.num_preemptions)
 
     def line(self, now: float) -> dict | None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc.engine import GenerationInput
 from scheduler_svc.grammar import Constraint
+from scheduler_svc.intake import GenerationInput
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import MAX_LOGPROBS, SamplingParams
 

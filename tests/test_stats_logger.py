@@ -15,12 +15,13 @@ def stats(running=0, waiting=0, used=0, queries=0, hits=0, preemptions=0) -> Sch
 
 def test_rates_are_over_the_interval_and_an_idle_server_is_quiet():
     current = {"s": stats()}
-    engine = SimpleNamespace(scheduler=SimpleNamespace(stats=lambda: current["s"]), computed_tokens=0, generated_tokens=0)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(stats=lambda: current["s"]),
+                             metrics=SimpleNamespace(computed_tokens=0, generated_tokens=0))
     logger = StatsLogger(engine, 10.0)
     assert logger.line(0.0) is None  # the baseline
     assert logger.line(10.0) is None  # nothing ran, nothing live: no line
     # 10 s of work: 1000 prompt tokens computed + 200 sampled, 300 of 400 looked-up prompt tokens hit the cache.
-    engine.computed_tokens, engine.generated_tokens = 1200, 200
+    engine.metrics.computed_tokens, engine.metrics.generated_tokens = 1200, 200
     current["s"] = stats(running=3, waiting=1, used=50, queries=400, hits=300, preemptions=2)
     line = logger.line(20.0)
     assert line == dict(prompt_tok_s=100.0, gen_tok_s=20.0, running=3, waiting=1, kv_usage_pct=25.0,

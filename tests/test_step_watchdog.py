@@ -18,8 +18,9 @@ import pytest
 from fake_executor import FakeExecutor, reference_next_token, word_tokenizer_json
 
 from scheduler_svc.config import SchedulerServiceConfig
-from scheduler_svc.engine import Engine, GenerationInput
+from scheduler_svc.engine import Engine
 from scheduler_svc.executor_client import ExecutorInfo, ExecutorLost
+from scheduler_svc.intake import GenerationInput
 from shared.sampling_params import SamplingParams
 
 VOCAB, STEP_TIMEOUT_S = 200, 0.3
