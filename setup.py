@@ -7,6 +7,7 @@ GRPC_GENERATED_VERSION), so the wheel's grpcio/protobuf floors are read from
 the code this build generated rather than written by hand: a wheel built with
 a newer grpcio-tools asks for a newer runtime instead of failing at import.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -32,8 +33,17 @@ def generated() -> str:
     out = tempfile.mkdtemp(prefix="pagedserve-protos-")
     atexit.register(shutil.rmtree, out, True)
     include = str(importlib.resources.files("grpc_tools") / "_proto")  # google/protobuf/*.proto
-    args = ["protoc", "-I", os.path.join(HERE, "protos"), "-I", include,
-            f"--python_out={out}", f"--grpc_python_out={out}", f"--pyi_out={out}", *PROTOS]
+    args = [
+        "protoc",
+        "-I",
+        os.path.join(HERE, "protos"),
+        "-I",
+        include,
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"--pyi_out={out}",
+        *PROTOS,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {', '.join(PROTOS)}")
     return out

@@ -9,6 +9,7 @@
 Each suite prints a table, shows progress on stderr, and writes
 bench/results/<suite>-<timestamp>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ REPORTING_MICRO = (["-m", "bench.forward_sweep"],)
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="float32 or bfloat16 (throughput: a comma list runs each)")
-    g.add_argument("--num-threads", type=int, default=0,
-                   help="torch threads for the executor and the HF baseline alike (0 = torch's default)")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="torch threads for the executor and the HF baseline alike (0 = torch's default)",
+    )
     g.add_argument("--kv-cache-gib", type=float, default=None, help="the executor's KV budget (suite default if unset)")
     g.add_argument("--target", default=None, help="measure a running scheduler at HOST:PORT instead of starting one")
     g.add_argument("--out-dir", type=Path, default=None, help=f"results folder (default {report.RESULTS_DIR})")
@@ -42,14 +47,20 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description="PagedServe benchmark suites.")
     sub = p.add_subparsers(dest="suite", required=True)
     for name, module in SUITES.items():
-        sp = sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp = sub.add_parser(
+            name,
+            help=module.__doc__.splitlines()[0],
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_args(sp)
         _common(sp)
-    a = sub.add_parser("all", help="every suite with its defaults (throughput with --baseline hf), "
-                                   "then the micro-benchmarks")
-    a.add_argument("--no-micro", action="store_true",
-                   help="skip bench/scheduler_cost, attention_cpu, sampler_cpu, forward_sweep")
+    a = sub.add_parser(
+        "all", help="every suite with its defaults (throughput with --baseline hf), then the micro-benchmarks"
+    )
+    a.add_argument(
+        "--no-micro", action="store_true", help="skip bench/scheduler_cost, attention_cpu, sampler_cpu, forward_sweep"
+    )
     a.add_argument("--vllm-python", default=None, help="also run vLLM in the throughput suite")
     _common(a)
     return p
@@ -63,8 +74,12 @@ def run_all(args, argv: list[str]) -> None:
     if args.no_chart:
         shared.append("--no-chart")
     common = ["--dtype", args.dtype, *shared]
-    runs = [["throughput", "--baseline", "hf", *(["--vllm-python", args.vllm_python] if args.vllm_python else [])],
-            ["serve"], ["memory"], ["prefix"]]
+    runs = [
+        ["throughput", "--baseline", "hf", *(["--vllm-python", args.vllm_python] if args.vllm_python else [])],
+        ["serve"],
+        ["memory"],
+        ["prefix"],
+    ]
     for suite_argv in runs:
         full = suite_argv + common
         print(f"\n=== python -m bench {' '.join(full)}", flush=True)

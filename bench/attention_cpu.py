@@ -19,6 +19,7 @@ Variants:
                    allocated tensors (the obvious implementation)
   per-request      one SDPA call per request, no batching
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,7 @@ def padded_fresh(query, k_cache, v_cache, meta, scale):
     out[tokens] = o.reshape(len(dec), num_heads, head_dim)
     for i, q_len in enumerate(meta.query_lens_cpu):
         if q_len > 1:
-            out[starts[i]:starts[i + 1]] = _one_request(query, k_cache, v_cache, meta, scale, i)
+            out[starts[i] : starts[i + 1]] = _one_request(query, k_cache, v_cache, meta, scale, i)
     return out
 
 
@@ -81,7 +82,7 @@ def per_request(query, k_cache, v_cache, meta, scale):
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):
-        out[starts[i]:starts[i + 1]] = _one_request(query, k_cache, v_cache, meta, scale, i)
+        out[starts[i] : starts[i + 1]] = _one_request(query, k_cache, v_cache, meta, scale, i)
     return out
 
 
@@ -133,14 +134,24 @@ def main() -> None:
         "per-request": lambda meta: per_request,
     }
     print(f"threads={torch.get_num_threads()} rounds={args.rounds}; ms per layer forward; step = x{LAYERS} layers")
-    print(f"{'scenario':10} {'dtype':9} {'variant':18} {'median':>8} {'min':>8} {'ratio':>6} {'min ratio':>9} "
-          f"{'step ms':>8} {'groups':>6}")
+    print(
+        f"{'scenario':10} {'dtype':9} {'variant':18} {'median':>8} {'min':>8} {'ratio':>6} {'min ratio':>9} "
+        f"{'step ms':>8} {'groups':>6}"
+    )
     for name in args.scenarios.split(","):
         shapes = scenario(name, random.Random(0))
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            batch = make_batch(shapes, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, group=GROUP,
-                               head_dim=HEAD_DIM, dtype=dtype, spare_blocks=0, poison=0.0)
+            batch = make_batch(
+                shapes,
+                block_size=BLOCK_SIZE,
+                num_kv_heads=NUM_KV_HEADS,
+                group=GROUP,
+                head_dim=HEAD_DIM,
+                dtype=dtype,
+                spare_blocks=0,
+                poison=0.0,
+            )
             batch.keys.clear()  # dense copies are for tests; free the memory
             batch.values.clear()
             runs = {label: make(batch.meta) for label, make in variants.items()}
@@ -162,11 +173,15 @@ def main() -> None:
             for label, ts in times.items():
                 med = statistics.median(ts)
                 groups = getattr(runs[label], "groups", "")
-                print(f"{name:10} {dtype_name:9} {label:18} {med * 1e3:8.2f} {min(ts) * 1e3:8.2f} "
-                      f"{med / base:6.2f} {min(ts) / base_min:9.2f} {med * 1e3 * LAYERS:8.0f} {groups!s:>6}")
-            print(f"{name:10} {dtype_name:9} torch prepare (once a step) {shipped.prepare_s * 1e3:.2f} ms, "
-                  f"write_kv (per layer) {write_ms:.2f} ms, {batch.meta.num_tokens} tokens, "
-                  f"{sum(batch.meta.seq_lens_cpu)} context tokens")
+                print(
+                    f"{name:10} {dtype_name:9} {label:18} {med * 1e3:8.2f} {min(ts) * 1e3:8.2f} "
+                    f"{med / base:6.2f} {min(ts) / base_min:9.2f} {med * 1e3 * LAYERS:8.0f} {groups!s:>6}"
+                )
+            print(
+                f"{name:10} {dtype_name:9} torch prepare (once a step) {shipped.prepare_s * 1e3:.2f} ms, "
+                f"write_kv (per layer) {write_ms:.2f} ms, {batch.meta.num_tokens} tokens, "
+                f"{sum(batch.meta.seq_lens_cpu)} context tokens"
+            )
 
 
 if __name__ == "__main__":

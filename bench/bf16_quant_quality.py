@@ -17,6 +17,7 @@ agrees, and |logprob difference| over the reference's top 5 tokens (mean,
 The texts are the docstrings of stdlib modules (real English every Python
 ships, as tests/conftest.py english_prompts uses), each cut at --max-tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,20 @@ from executor_svc.attention import get_backend
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_loader import load_model
 
-MODULES = ("json", "logging", "argparse", "textwrap", "threading", "collections", "subprocess", "unittest",
-           "pickle", "socket", "email", "typing")
+MODULES = (
+    "json",
+    "logging",
+    "argparse",
+    "textwrap",
+    "threading",
+    "collections",
+    "subprocess",
+    "unittest",
+    "pickle",
+    "socket",
+    "email",
+    "typing",
+)
 BLOCK_SIZE = 16
 
 
@@ -46,17 +59,26 @@ def logits_by_position(model, token_ids: list[int], chunk: int, kv_dtype: torch.
     cfg = model.config
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
     shape = (num_blocks + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)]
+    kv = [
+        (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)
+    ]
     table = torch.arange(1, num_blocks + 1, dtype=torch.int32).unsqueeze(0)  # block 0 stays unused
     out = []
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
         n = end - start
         meta = AttentionMetadata(
-            num_tokens=n, slot_mapping=torch.arange(start, end, dtype=torch.int64) + BLOCK_SIZE,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([end], dtype=torch.int32),
-            block_tables=table, max_query_len=n, max_seq_len=end, block_size=BLOCK_SIZE,
-            query_lens_cpu=[n], seq_lens_cpu=[end])
+            num_tokens=n,
+            slot_mapping=torch.arange(start, end, dtype=torch.int64) + BLOCK_SIZE,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=table,
+            max_query_len=n,
+            max_seq_len=end,
+            block_size=BLOCK_SIZE,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[end],
+        )
         model.attn_backend.prepare(meta)
         hidden = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), kv, meta)
         out.append(model.compute_logits(hidden).float())
@@ -70,7 +92,9 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     diff = (got_lp.gather(-1, top5) - want_lp.gather(-1, top5)).abs().flatten()
     return {
         "agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
-        "mean": diff.mean().item(), "p99": diff.quantile(0.99).item(), "max": diff.max().item(),
+        "mean": diff.mean().item(),
+        "p99": diff.quantile(0.99).item(),
+        "max": diff.max().item(),
     }
 
 

@@ -20,6 +20,7 @@ at a longer context, an 8 x 256-token prefill), alternating the two
 executors round by round so that load from other processes falls on both
 alike. Prints the median step time of each and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,11 @@ def main(argv=None) -> None:
     for gemm in (new, old):
         settings = {"dtype": "float32", **shared, field: gemm}
         worker = Worker(ExecutorConfig(kv_cache_gib=gib, num_threads=a.num_threads, **settings))
-        worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
-                         max_num_seqs=max(r["batch"] for r in rows))
+        worker.configure(
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=max(r["batch"] * r["new"] for r in rows),
+            max_num_seqs=max(r["batch"] for r in rows),
+        )
         timed = worker.runner.model = TimedModel(worker.runner.model)
         executors[gemm] = (worker, timed)
     steps, gen = itertools.count(1), torch.Generator().manual_seed(0)

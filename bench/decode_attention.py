@@ -12,6 +12,7 @@ replaced. GB/s is the K/V bytes read per call over its median time.
 the cache (1.2 GB in float32), so that every layer starts from DRAM as in a
 real step instead of from what the previous round left in L3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,19 +36,22 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=1, help="layers per timed call, each over its own cache copy")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    backends = {"cpu": get_backend("cpu"), "portable": CpuAttentionBackend(native_kernel.load(portable=True)),
-                "torch": get_backend("torch")}
+    backends = {
+        "cpu": get_backend("cpu"),
+        "portable": CpuAttentionBackend(native_kernel.load(portable=True)),
+        "torch": get_backend("torch"),
+    }
     rng = random.Random(0)
     for dtype in (torch.float32, torch.bfloat16):
         shapes = [(rng.randint(300, 500), 1) for _ in range(64)]
-        batch = make_batch(shapes, block_size=a.block_size, num_kv_heads=3, group=3, head_dim=64, dtype=dtype,
-                           seed=1)
+        batch = make_batch(shapes, block_size=a.block_size, num_kv_heads=3, group=3, head_dim=64, dtype=dtype, seed=1)
         # The batch's new tokens are not in the cache yet (their slots hold NaN poison): write them,
         # so every variant computes real attention instead of propagating NaN.
         backends["torch"].write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, batch.meta)
         kv_bytes = 2 * sum(seq for seq, _ in shapes) * 3 * 64 * batch.k_cache.element_size() * a.layers
-        caches = [(batch.k_cache, batch.v_cache)] + [(batch.k_cache.clone(), batch.v_cache.clone())
-                                                     for _ in range(a.layers - 1)]
+        caches = [(batch.k_cache, batch.v_cache)] + [
+            (batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(a.layers - 1)
+        ]
         times = {name: [] for name in backends}
         # One metadata per backend: prepare() stashes its plan under the backend's name, and the cpu
         # backend's prefill half is a torch backend, so shared metadata would mix their plans.
@@ -62,8 +66,10 @@ def main(argv=None) -> None:
                 times[name].append(time.perf_counter() - t)
         ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
         cells = "  ".join(f"{name} {v:.2f} ms ({kv_bytes / v / 1e6:.1f} GB/s)" for name, v in ms.items())
-        print(f"{str(dtype):15} threads={a.threads} block={a.block_size} layers={a.layers}  {cells}  "
-              f"portable/cpu {ms['portable'] / ms['cpu']:.2f}x  torch/cpu {ms['torch'] / ms['cpu']:.2f}x")
+        print(
+            f"{str(dtype):15} threads={a.threads} block={a.block_size} layers={a.layers}  {cells}  "
+            f"portable/cpu {ms['portable'] / ms['cpu']:.2f}x  torch/cpu {ms['torch'] / ms['cpu']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

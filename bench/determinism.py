@@ -28,6 +28,7 @@ dtype, in the default mode and in --deterministic:
    layer's attention for prefill and decode batches, and whole steps
    (ModelRunner.execute) of decodes, prefills and a long chunk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,15 +49,27 @@ from shared.sampling_params import SamplingParams
 from tests.plan_driver import Job, PlanDriver
 
 ROWS = (1, 2, 8, 32, 33, 256, 257, 512, 513, 1024, 2048)
-ATTN_CASES = {"prefill 7 x 292": [(0, 292)] * 7, "prefill 1 x 1024": [(0, 1024)],
-              "chunk 4 x (200 cached + 300)": [(200, 300)] * 4, "64 decodes at 400": [(400, 1)] * 64,
-              "64 decodes + 2 x 512 prefill": [(400, 1)] * 64 + [(0, 512)] * 2}
+ATTN_CASES = {
+    "prefill 7 x 292": [(0, 292)] * 7,
+    "prefill 1 x 1024": [(0, 1024)],
+    "chunk 4 x (200 cached + 300)": [(200, 300)] * 4,
+    "64 decodes at 400": [(400, 1)] * 64,
+    "64 decodes + 2 x 512 prefill": [(400, 1)] * 64 + [(0, 512)] * 2,
+}
 
 
 def _load(dtype: torch.dtype, deterministic: bool):
     backend = get_backend("cpu", deterministic)
-    loaded = load_model(None, dtype, "cpu", backend, with_tokenizer=False, packed_gemm=True, gguf_blocks=True,
-                        batch_invariant=deterministic)
+    loaded = load_model(
+        None,
+        dtype,
+        "cpu",
+        backend,
+        with_tokenizer=False,
+        packed_gemm=True,
+        gguf_blocks=True,
+        batch_invariant=deterministic,
+    )
     return loaded.model, backend
 
 
@@ -84,8 +97,10 @@ def variance_linears(model, det: bool) -> list[str]:
         torch.set_num_threads(2)
         threads = _diff(one_thread, linear(x[:300], weight, None, packed))
         differ = [m for m, d in zip(ROWS, diffs) if d]
-        lines.append(f"  linear {name:8} same {len(ROWS) - len(differ)}/{len(ROWS)} (differ at M={differ or '-'}) "
-                     f"max|d| {max(diffs):.1e}; 1 vs 2 threads at 300 rows max|d| {threads:.1e}")
+        lines.append(
+            f"  linear {name:8} same {len(ROWS) - len(differ)}/{len(ROWS)} (differ at M={differ or '-'}) "
+            f"max|d| {max(diffs):.1e}; 1 vs 2 threads at 300 rows max|d| {threads:.1e}"
+        )
     return lines
 
 
@@ -93,7 +108,7 @@ def variance_rms_norm(model) -> str:
     x = torch.randn(64, model.config.hidden_size) * 3
     w = model.layers[0].input_norm
     full = fused_ops.rms_norm(x, w, 1e-5)
-    same = sum(torch.equal(fused_ops.rms_norm(x[i:i + 1].clone(), w, 1e-5)[0], full[i]) for i in range(64))
+    same = sum(torch.equal(fused_ops.rms_norm(x[i : i + 1].clone(), w, 1e-5)[0], full[i]) for i in range(64))
     return f"  rms_norm (fused) same {same}/64 rows"
 
 
@@ -106,13 +121,20 @@ def _attend(backend, shapes_chunks, dtype, seq_len):
     for n in shapes_chunks:
         n = min(n, seq_len - start)
         meta = dataclasses.replace(
-            base.meta, num_tokens=n, slot_mapping=base.meta.slot_mapping[start:start + n],
+            base.meta,
+            num_tokens=n,
+            slot_mapping=base.meta.slot_mapping[start : start + n],
             query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32), max_query_len=n, max_seq_len=start + n,
-            query_lens_cpu=[n], seq_lens_cpu=[start + n], extra={})
+            seq_lens=torch.tensor([start + n], dtype=torch.int32),
+            max_query_len=n,
+            max_seq_len=start + n,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[start + n],
+            extra={},
+        )
         backend.prepare(meta)
-        backend.write_kv(base.new_key[start:start + n], base.new_value[start:start + n], k_cache, v_cache, meta)
-        out[start:start + n] = backend.forward(base.query[start:start + n], k_cache, v_cache, meta, base.scale)
+        backend.write_kv(base.new_key[start : start + n], base.new_value[start : start + n], k_cache, v_cache, meta)
+        out[start : start + n] = backend.forward(base.query[start : start + n], k_cache, v_cache, meta, base.scale)
         start += n
         if start == seq_len:
             return out
@@ -122,14 +144,19 @@ def variance_attention(dtype: torch.dtype, det: bool, seq_len: int = 300) -> lis
     cpu = get_backend("cpu", det)
     decoded = _attend(cpu, [1] * seq_len, dtype, seq_len)
     lines = []
-    for label, backend, chunks in (("one prefill", cpu, [seq_len]), ("chunks of 7", cpu, [7] * seq_len),
-                                   ("chunks of 64", cpu, [64] * seq_len),
-                                   ("SDPA one prefill", get_backend("torch"), [seq_len])):
+    for label, backend, chunks in (
+        ("one prefill", cpu, [seq_len]),
+        ("chunks of 7", cpu, [7] * seq_len),
+        ("chunks of 64", cpu, [64] * seq_len),
+        ("SDPA one prefill", get_backend("torch"), [seq_len]),
+    ):
         if det and backend is not cpu:
             continue  # deterministic mode never runs SDPA
         out = _attend(backend, chunks, dtype, seq_len)
         same = sum(torch.equal(out[t], decoded[t]) for t in range(seq_len))
-        lines.append(f"  attention {label:17} vs decoded: same {same}/{seq_len} tokens, max|d| {_diff(out, decoded):.1e}")
+        lines.append(
+            f"  attention {label:17} vs decoded: same {same}/{seq_len} tokens, max|d| {_diff(out, decoded):.1e}"
+        )
     return lines
 
 
@@ -138,8 +165,10 @@ def variance_sampler() -> str:
     ok = {}
     for name, f in (("log_softmax", lambda t: t.log_softmax(-1)), ("logsumexp", lambda t: t.logsumexp(-1))):
         full = f(x)
-        ok[name] = sum(torch.equal(f(x[i:i + 1].clone())[0], full[i]) for i in range(8))
-    return "  sampler " + ", ".join(f"{k} same {v}/8 rows" for k, v in ok.items()) + " (torch " + torch.__version__ + ")"
+        ok[name] = sum(torch.equal(f(x[i : i + 1].clone())[0], full[i]) for i in range(8))
+    return (
+        "  sampler " + ", ".join(f"{k} same {v}/8 rows" for k, v in ok.items()) + " (torch " + torch.__version__ + ")"
+    )
 
 
 def end_to_end(model, backend, dtype: torch.dtype) -> list[str]:
@@ -148,8 +177,10 @@ def end_to_end(model, backend, dtype: torch.dtype) -> list[str]:
     driver = PlanDriver(runner, 16)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (9, 40, 120, 270)]
-    params = [SamplingParams(temperature=0.0, logprobs=1),
-              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11, logprobs=1),
+    ]
 
     def jobs(arrive=(0, 0, 0, 0)):
         return [Job(f"r{i}", p, 10, params[i % 2], arrive=arrive[i]) for i, p in enumerate(prompts)]
@@ -158,24 +189,36 @@ def end_to_end(model, backend, dtype: torch.dtype) -> list[str]:
     for j in jobs():
         alone.update(driver.run([j]))
     lines = []
-    for label, kw in (("batched, staggered", dict(jobs=jobs((0, 1, 3, 6)))),
-                      ("chunked prefill, budget 32", dict(jobs=jobs(), token_budget=32)),
-                      ("chunked prefill, budget 64", dict(jobs=jobs((0, 0, 2, 2)), token_budget=64)),
-                      ("preempted + recomputed", dict(jobs=jobs(), preempt={"r0": 4, "r1": 6, "r2": 3, "r3": 9}))):
+    for label, kw in (
+        ("batched, staggered", dict(jobs=jobs((0, 1, 3, 6)))),
+        ("chunked prefill, budget 32", dict(jobs=jobs(), token_budget=32)),
+        ("chunked prefill, budget 64", dict(jobs=jobs((0, 0, 2, 2)), token_budget=64)),
+        ("preempted + recomputed", dict(jobs=jobs(), preempt={"r0": 4, "r1": 6, "r2": 3, "r3": 9})),
+    ):
         out = driver.run(**kw)
         tokens = sum(out[r].tokens == alone[r].tokens for r in alone)
         bits = sum([lp.logprob for lp in out[r].logprobs] == [lp.logprob for lp in alone[r].logprobs] for r in alone)
-        worst = max(abs(a.logprob - b.logprob) for r in alone for a, b in zip(out[r].logprobs, alone[r].logprobs)
-                    if out[r].tokens[:len(alone[r].tokens)] == alone[r].tokens) if tokens else float("nan")
-        lines.append(f"  e2e {label:27} requests with the same tokens {tokens}/4, bit-identical logprobs "
-                     f"{bits}/4, max|d logprob| (same-token requests) {worst:.1e}")
+        worst = (
+            max(
+                abs(a.logprob - b.logprob)
+                for r in alone
+                for a, b in zip(out[r].logprobs, alone[r].logprobs)
+                if out[r].tokens[: len(alone[r].tokens)] == alone[r].tokens
+            )
+            if tokens
+            else float("nan")
+        )
+        lines.append(
+            f"  e2e {label:27} requests with the same tokens {tokens}/4, bit-identical logprobs "
+            f"{bits}/4, max|d logprob| (same-token requests) {worst:.1e}"
+        )
     return lines
 
 
 def _timed(fns: dict, rounds: int) -> dict:
     times = {k: [] for k in fns}
     for r in range(rounds):
-        for k in (list(fns) if r % 2 else list(reversed(list(fns)))):
+        for k in list(fns) if r % 2 else list(reversed(list(fns))):
             t = time.perf_counter()
             fns[k]()
             times[k].append(time.perf_counter() - t)
@@ -189,11 +232,15 @@ def cost_linears(model, rounds: int) -> list[str]:
         x = {n: torch.randn(m, w.shape[1]) for n, (w, _) in lin.items()}
 
         def run(det, x=x):
-            return lambda: [linear(x[n], w, None, dataclasses.replace(p, batch_invariant=det)) for n, (w, p) in lin.items()]
+            return lambda: [
+                linear(x[n], w, None, dataclasses.replace(p, batch_invariant=det)) for n, (w, p) in lin.items()
+            ]
 
         ms = _timed({"default": run(False), "det": run(True)}, rounds)
-        lines.append(f"  linears of one layer + head, M={m:5}: default {ms['default']:8.2f} ms  "
-                     f"deterministic {ms['det']:8.2f} ms  ratio {ms['det'] / ms['default']:.2f}x")
+        lines.append(
+            f"  linears of one layer + head, M={m:5}: default {ms['default']:8.2f} ms  "
+            f"deterministic {ms['det']:8.2f} ms  ratio {ms['det'] / ms['default']:.2f}x"
+        )
     return lines
 
 
@@ -206,16 +253,24 @@ def cost_attention(dtype: torch.dtype, rounds: int) -> list[str]:
         metas = {n: dataclasses.replace(b.meta, extra={}) for n in backends}
         for n, be in backends.items():
             be.prepare(metas[n])
-        fns = {n: (lambda be=be, n=n, b=b, metas=metas: be.forward(b.query, b.k_cache, b.v_cache, metas[n], b.scale))
-               for n, be in backends.items()}
+        fns = {
+            n: (lambda be=be, n=n, b=b, metas=metas: be.forward(b.query, b.k_cache, b.v_cache, metas[n], b.scale))
+            for n, be in backends.items()
+        }
         ms = _timed(fns, rounds)
-        lines.append(f"  attention {name:30}: default {ms['default']:8.2f} ms  deterministic {ms['det']:8.2f} ms  "
-                     f"ratio {ms['det'] / ms['default']:.2f}x")
+        lines.append(
+            f"  attention {name:30}: default {ms['default']:8.2f} ms  deterministic {ms['det']:8.2f} ms  "
+            f"ratio {ms['det'] / ms['default']:.2f}x"
+        )
     return lines
 
 
-STEP_CASES = {"64 decodes at context 256": [(255, 1)] * 64, "prefill 4 x 256": [(0, 256)] * 4,
-              "chunk of 512 after 512 cached": [(512, 512)], "32 decodes + prefill 256": [(255, 1)] * 32 + [(0, 256)]}
+STEP_CASES = {
+    "64 decodes at context 256": [(255, 1)] * 64,
+    "prefill 4 x 256": [(0, 256)] * 4,
+    "chunk of 512 after 512 cached": [(512, 512)],
+    "32 decodes + prefill 256": [(255, 1)] * 32 + [(0, 256)],
+}
 
 
 def cost_steps(dtype: torch.dtype, rounds: int) -> list[str]:
@@ -230,24 +285,36 @@ def cost_steps(dtype: torch.dtype, rounds: int) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     lines, step = [], iter(range(1, 1 << 30))
     for name, shapes in STEP_CASES.items():
+
         def plan(shapes=shapes):
             blocks, reqs = iter(range(1, 1200)), []
             for i, (cached, new) in enumerate(shapes):
                 n = cached + new
-                reqs.append(NewRequestData(f"s{i}", torch.randint(100, 40000, (n,), generator=gen).tolist(), n,
-                                           SamplingParams(temperature=0.0), [next(blocks) for _ in range(-(-n // 16))],
-                                           cached, new))
+                reqs.append(
+                    NewRequestData(
+                        f"s{i}",
+                        torch.randint(100, 40000, (n,), generator=gen).tolist(),
+                        n,
+                        SamplingParams(temperature=0.0),
+                        [next(blocks) for _ in range(-(-n // 16))],
+                        cached,
+                        new,
+                    )
+                )
             return StepPlan(step_id=next(step), new_requests=reqs)
 
         def run(det):
             def go():
                 runners[det].reset()
                 runners[det].execute(plan())
+
             return go
 
         ms = _timed({"default": run(False), "det": run(True)}, rounds)
-        lines.append(f"  step {name:30}: default {ms['default']:8.1f} ms  deterministic {ms['det']:8.1f} ms  "
-                     f"ratio {ms['det'] / ms['default']:.2f}x")
+        lines.append(
+            f"  step {name:30}: default {ms['default']:8.1f} ms  deterministic {ms['det']:8.1f} ms  "
+            f"ratio {ms['det'] / ms['default']:.2f}x"
+        )
     return lines
 
 

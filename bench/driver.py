@@ -10,6 +10,7 @@ server it measures (both share the machine).
     └────────────────────────── E2E ─────────────────────────┘
     TPOT = (E2E - TTFT) / (output tokens - 1)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,15 +78,27 @@ class RunResult:
         return sum(r.output_tokens for r in self.records)
 
 
-async def _one(client: AsyncClient, index: int, req: BenchRequest, at: float, t0: float,
-               on_done: Callable[[RequestRecord], None] | None, id_prefix: str) -> RequestRecord:
+async def _one(
+    client: AsyncClient,
+    index: int,
+    req: BenchRequest,
+    at: float,
+    t0: float,
+    on_done: Callable[[RequestRecord], None] | None,
+    id_prefix: str,
+) -> RequestRecord:
     delay = t0 + at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     rec = RequestRecord(index=index, max_tokens=req.max_tokens, sent_at=time.perf_counter() - t0)
     try:
-        async for msg in client.generate(token_ids=req.prompt_token_ids, max_tokens=req.max_tokens,
-                                         ignore_eos=True, temperature=0.0, request_id=f"{id_prefix}-{index}"):
+        async for msg in client.generate(
+            token_ids=req.prompt_token_ids,
+            max_tokens=req.max_tokens,
+            ignore_eos=True,
+            temperature=0.0,
+            request_id=f"{id_prefix}-{index}",
+        ):
             now = time.perf_counter() - t0
             if msg.token_ids:
                 rec.chunk_times.append(now)
@@ -104,10 +117,14 @@ async def _one(client: AsyncClient, index: int, req: BenchRequest, at: float, t0
     return rec
 
 
-async def run_requests_async(target: str, requests: list[BenchRequest], arrivals: list[float] | None = None,
-                             on_done: Callable[[RequestRecord], None] | None = None,
-                             during: Callable[[AsyncClient], object] | None = None,
-                             id_prefix: str | None = None) -> RunResult:
+async def run_requests_async(
+    target: str,
+    requests: list[BenchRequest],
+    arrivals: list[float] | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    during: Callable[[AsyncClient], object] | None = None,
+    id_prefix: str | None = None,
+) -> RunResult:
     """Sends every request (at arrivals[i] seconds, default all at once) and waits for all.
 
     `during(client)`, if given, is a coroutine function run alongside the
@@ -125,8 +142,9 @@ async def run_requests_async(target: str, requests: list[BenchRequest], arrivals
     async with AsyncClient(target) as client:
         side = asyncio.ensure_future(during(client)) if during is not None else None
         t0 = time.perf_counter()
-        records = await asyncio.gather(*(_one(client, i, r, at, t0, on_done, id_prefix)
-                                         for i, (r, at) in enumerate(zip(requests, arrivals))))
+        records = await asyncio.gather(
+            *(_one(client, i, r, at, t0, on_done, id_prefix) for i, (r, at) in enumerate(zip(requests, arrivals)))
+        )
         if side is not None:
             side.cancel()
             (outcome,) = await asyncio.gather(side, return_exceptions=True)
@@ -140,19 +158,27 @@ async def run_requests_async(target: str, requests: list[BenchRequest], arrivals
 def _check(records: list[RequestRecord]) -> None:
     failed = [r for r in records if r.error]
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(records)} requests failed; first: request {failed[0].index}: "
-                           f"{failed[0].error}")
+        raise RuntimeError(
+            f"{len(failed)} of {len(records)} requests failed; first: request {failed[0].index}: {failed[0].error}"
+        )
     short = [r for r in records if r.output_tokens != r.max_tokens]
     if short:
         r = short[0]
-        raise RuntimeError(f"{len(short)} requests did not produce exactly max_tokens (ignore_eos is set); "
-                           f"first: request {r.index} produced {r.output_tokens} of {r.max_tokens} "
-                           f"(finish {r.finish_reason})")
+        raise RuntimeError(
+            f"{len(short)} requests did not produce exactly max_tokens (ignore_eos is set); "
+            f"first: request {r.index} produced {r.output_tokens} of {r.max_tokens} "
+            f"(finish {r.finish_reason})"
+        )
 
 
-def run_requests(target: str, requests: list[BenchRequest], arrivals: list[float] | None = None,
-                 on_done: Callable[[RequestRecord], None] | None = None,
-                 during: Callable[[AsyncClient], object] | None = None, id_prefix: str | None = None) -> RunResult:
+def run_requests(
+    target: str,
+    requests: list[BenchRequest],
+    arrivals: list[float] | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    during: Callable[[AsyncClient], object] | None = None,
+    id_prefix: str | None = None,
+) -> RunResult:
     return asyncio.run(run_requests_async(target, requests, arrivals, on_done, during, id_prefix))
 
 

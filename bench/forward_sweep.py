@@ -35,6 +35,7 @@ same threads, at the model's MLP shape [T, H] x [H, I] for a few T (the weight
 a contiguous [in, out] matrix, as the model stores it) and at 2048^3. "ceil ms" is a step's FLOPs
 at that rate: its time if all its work were matmul at the machine's best.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,19 @@ BLOCK_SIZE = 16
 WARMUP = 2
 GREEDY = SamplingParams(temperature=0.0)
 FIRST_TOKEN = 100  # SmolLM2's special tokens sit below this; synthetic text uses ordinary ones
-HEADERS = ["dtype", "sweep", "batch", "context", "tokens", "step ms", "fwd ms", "tok/s", "GFLOP/s", "ceil ms",
-           "of ceiling"]
+HEADERS = [
+    "dtype",
+    "sweep",
+    "batch",
+    "context",
+    "tokens",
+    "step ms",
+    "fwd ms",
+    "tok/s",
+    "GFLOP/s",
+    "ceil ms",
+    "of ceiling",
+]
 
 
 def ints(text: str) -> list[int]:
@@ -71,24 +83,38 @@ def ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.forward_sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", type=ints, default=ints("1,2,4,8,16,32,64,128,256"),
-                   help="decodes per step in the batch sweep")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.forward_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--batch-sizes", type=ints, default=ints("1,2,4,8,16,32,64,128,256"), help="decodes per step in the batch sweep"
+    )
     p.add_argument("--context", type=int, default=256, help="context of every decode in the batch sweep")
     p.add_argument("--contexts", type=ints, default=ints("128,256,512,1024,2048"), help="the context sweep")
     p.add_argument("--batch", type=int, default=64, help="decodes per step in the context sweep")
-    p.add_argument("--prefill-tokens", type=ints, default=ints("256"),
-                   help="new tokens per request in the prefill rows ('' for none)")
+    p.add_argument(
+        "--prefill-tokens",
+        type=ints,
+        default=ints("256"),
+        help="new tokens per request in the prefill rows ('' for none)",
+    )
     p.add_argument("--prefill-batch", type=int, default=8, help="requests in each prefill step")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--cpu-gemm", default="auto", choices=("auto", "native", "torch"),
-                   help="the executor's --cpu-gemm (native: packed AVX-512 kernel; torch: MKL)")
+    p.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        choices=("auto", "native", "torch"),
+        help="the executor's --cpu-gemm (native: packed AVX-512 kernel; torch: MKL)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
-    p.add_argument("--kv-cache-gib", type=float, default=0,
-                   help="KV budget (0 = just what the largest row needs, computed per dtype)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=0,
+        help="KV budget (0 = just what the largest row needs, computed per dtype)",
+    )
     p.add_argument("--out-dir", type=Path, default=None, help=f"results folder (default {report.RESULTS_DIR})")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
     return p
@@ -150,18 +176,27 @@ def matmul_ceiling(dtype: torch.dtype, hidden: int, intermediate: int, rounds: i
 
 def make_plan(step: int, row: dict, tokens: list[list[int]], finished: list[str]) -> StepPlan:
     n_blocks = blocks_per_request(row["context"])
-    requests = [NewRequestData(f"s{step}-r{i}", tokens[i], row["context"], GREEDY,
-                               list(range(1 + i * n_blocks, 1 + (i + 1) * n_blocks)),
-                               row["context"] - row["new"], row["new"])
-                for i in range(row["batch"])]
+    requests = [
+        NewRequestData(
+            f"s{step}-r{i}",
+            tokens[i],
+            row["context"],
+            GREEDY,
+            list(range(1 + i * n_blocks, 1 + (i + 1) * n_blocks)),
+            row["context"] - row["new"],
+            row["new"],
+        )
+        for i in range(row["batch"])
+    ]
     return StepPlan(step, requests, finished_request_ids=finished)
 
 
 def time_row(worker: Worker, timed: TimedModel, row: dict, rounds: int, steps, gen) -> tuple[float, float]:
     """Median (step seconds, forward seconds) over `rounds` steps after the warm-ups."""
     runner = worker.runner
-    tokens = torch.randint(FIRST_TOKEN, worker.model_config.vocab_size, (row["batch"], row["context"]),
-                           generator=gen).tolist()
+    tokens = torch.randint(
+        FIRST_TOKEN, worker.model_config.vocab_size, (row["batch"], row["context"]), generator=gen
+    ).tolist()
     finished, step_s, fwd_s = [], [], []
     for k in range(WARMUP + rounds):
         plan = make_plan(next(steps), row, tokens, finished)
@@ -183,23 +218,37 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
     config = open_checkpoint(args.model)[0].config
     elem_dtype = getattr(torch, dtype_name)
     gib = args.kv_cache_gib or kv_gib_needed(config, elem_dtype, rows)
-    worker = Worker(ExecutorConfig(model=args.model, dtype=dtype_name, kv_cache_gib=gib,
-                                   num_threads=args.num_threads,
-                                   cpu_gemm=args.cpu_gemm if dtype_name == "float32" else "auto"))
+    worker = Worker(
+        ExecutorConfig(
+            model=args.model,
+            dtype=dtype_name,
+            kv_cache_gib=gib,
+            num_threads=args.num_threads,
+            cpu_gemm=args.cpu_gemm if dtype_name == "float32" else "auto",
+        )
+    )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
     if too_long:
         raise ValueError(f"contexts {too_long} exceed the model's {worker.max_model_len} positions")
     max_tokens = max(r["batch"] * r["new"] for r in rows)
-    worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=max_tokens,
-                     max_num_seqs=max(r["batch"] for r in rows))
+    worker.configure(
+        block_size=BLOCK_SIZE, max_num_batched_tokens=max_tokens, max_num_seqs=max(r["batch"] for r in rows)
+    )
     timed = worker.runner.model = TimedModel(worker.runner.model)
 
     cfg = worker.model_config
     head = cfg.vocab_size * cfg.hidden_size
     # The embedding is a lookup, and the LM head (tied or not) runs on sampled tokens only: count it apart.
     body = sum(p.numel() for name, p in worker.model.named_parameters() if name not in ("embed_tokens", "lm_head"))
-    model = dict(name=cfg.model_name, non_embedding_params=body, head_params=head, hidden=cfg.hidden_size,
-                 vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, kv_cache_gib=round(gib, 4))
+    model = dict(
+        name=cfg.model_name,
+        non_embedding_params=body,
+        head_params=head,
+        hidden=cfg.hidden_size,
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+        kv_cache_gib=round(gib, 4),
+    )
     # A bfloat16 model widened for a CPU without bf16 arithmetic multiplies in float32.
     ceiling = matmul_ceiling(worker.model.compute_dtype, cfg.hidden_size, cfg.intermediate_size, args.rounds)
 
@@ -209,9 +258,20 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         tokens = row["batch"] * row["new"]
         flops = 2 * (body * tokens + head * row["batch"])
         ceil_s = flops / (ceiling["best_gflops"] * 1e9)
-        out.append(dict(row, dtype=dtype_name, tokens=tokens, step_ms=step_s * 1e3, forward_ms=fwd_s * 1e3,
-                        tokens_per_s=tokens / step_s, flops=flops, gflops=flops / step_s / 1e9,
-                        ceiling_ms=ceil_s * 1e3, fraction_of_ceiling=ceil_s / step_s))
+        out.append(
+            dict(
+                row,
+                dtype=dtype_name,
+                tokens=tokens,
+                step_ms=step_s * 1e3,
+                forward_ms=fwd_s * 1e3,
+                tokens_per_s=tokens / step_s,
+                flops=flops,
+                gflops=flops / step_s / 1e9,
+                ceiling_ms=ceil_s * 1e3,
+                fraction_of_ceiling=ceil_s / step_s,
+            )
+        )
         progress.step()
     del worker, timed
     gc.collect()  # free this dtype's weights and KV before the next loads
@@ -220,8 +280,10 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
 
 def chart(result: dict, path: Path) -> Path:
     plt = report._pyplot()
-    panels = [("batch", "decodes per step", f"context {result['settings']['context']}"),
-              ("context", "context (tokens)", f"batch {result['settings']['batch']}")]
+    panels = [
+        ("batch", "decodes per step", f"context {result['settings']['context']}"),
+        ("context", "context (tokens)", f"batch {result['settings']['batch']}"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = dict(zip(result["ceiling"], ["tab:blue", "tab:orange", "tab:green", "tab:purple"]))
     for ax, (sweep, xlabel, fixed) in zip(axes, panels):
@@ -231,8 +293,14 @@ def chart(result: dict, path: Path) -> Path:
                 continue
             x = [r[sweep] for r in rows]
             ax.plot(x, [r["step_ms"] for r in rows], marker="o", color=color, label=f"{dtype} step")
-            ax.plot(x, [r["ceiling_ms"] for r in rows], linestyle="--", marker="x", color=color,
-                    label=f"{dtype} matmul ceiling ({result['ceiling'][dtype]['best_gflops']:.0f} GFLOP/s)")
+            ax.plot(
+                x,
+                [r["ceiling_ms"] for r in rows],
+                linestyle="--",
+                marker="x",
+                color=color,
+                label=f"{dtype} matmul ceiling ({result['ceiling'][dtype]['best_gflops']:.0f} GFLOP/s)",
+            )
         ax.set_xscale("log", base=2)
         ticks = sorted({r[sweep] for r in result["rows"] if r["sweep"] == sweep})
         ax.set_xticks(ticks, [str(t) for t in ticks])  # plain numbers, not powers of 2
@@ -244,8 +312,7 @@ def chart(result: dict, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"{result['model']['name']} on CPU ({m['cpu_model']}, threads: {m['torch_threads']})",
-                 fontsize=10)
+    fig.suptitle(f"{result['model']['name']} on CPU ({m['cpu_model']}, threads: {m['torch_threads']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -269,15 +336,35 @@ def main(argv: list[str] | None = None) -> dict:
         result["rows"] += measured
     result["machine"]["torch_threads"] = torch.get_num_threads()  # as the Worker set them, not as at the start
 
-    print(f"{result['model']['name']}: {result['model']['non_embedding_params'] / 1e6:.1f}M non-embedding "
-          f"params + {result['model']['head_params'] / 1e6:.1f}M LM head; threads {torch.get_num_threads()}; "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"{result['model']['name']}: {result['model']['non_embedding_params'] / 1e6:.1f}M non-embedding "
+        f"params + {result['model']['head_params'] / 1e6:.1f}M LM head; threads {torch.get_num_threads()}; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     for dtype, c in result["ceiling"].items():
         shapes = ", ".join(f"{s} {g:.0f}" for s, g in c["gflops_by_shape"].items())
         print(f"matmul ceiling {dtype}: {c['best_gflops']:.1f} GFLOP/s (torch.mm M x K x N: {shapes})")
-    print(report.format_table(HEADERS, [
-        [r["dtype"], r["sweep"], r["batch"], r["context"], r["tokens"], r["step_ms"], r["forward_ms"],
-         r["tokens_per_s"], r["gflops"], r["ceiling_ms"], r["fraction_of_ceiling"]] for r in result["rows"]]))
+    print(
+        report.format_table(
+            HEADERS,
+            [
+                [
+                    r["dtype"],
+                    r["sweep"],
+                    r["batch"],
+                    r["context"],
+                    r["tokens"],
+                    r["step_ms"],
+                    r["forward_ms"],
+                    r["tokens_per_s"],
+                    r["gflops"],
+                    r["ceiling_ms"],
+                    r["fraction_of_ceiling"],
+                ]
+                for r in result["rows"]
+            ],
+        )
+    )
     report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result
 

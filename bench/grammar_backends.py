@@ -10,6 +10,7 @@ ceil(V / 32) * 4 bytes for all of them. Also reports whether importing the
 back end pulls in torch (the scheduler must stay torch-free). Each back end
 runs in its own subprocess so memory and imports are its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,7 +93,11 @@ class _OutlinesCore:
 
         self.oc = outlines_core
         # outlines-core wants each token's bytes; undo byte-level BPE's character mapping.
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        bs = (
+            list(range(ord("!"), ord("~") + 1))
+            + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1))
+        )
         cs, n = bs[:], 0
         for b in range(256):
             if b not in bs:
@@ -128,7 +133,9 @@ def measure(backend: str) -> dict:
     tok_json, eos, hf = _tokenizer()
     # In a clean interpreter: the tokenizer above came through transformers, which imports torch.
     probe = f"import sys, {backend}; print('torch' in sys.modules)"  # ImportError (no torch): "" -> True
-    pulls_torch = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() != "False"
+    pulls_torch = (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() != "False"
+    )
     setup_start = time.perf_counter()
     b = impl(tok_json, eos, hf)
     setup_s = time.perf_counter() - setup_start
@@ -154,7 +161,8 @@ def measure(backend: str) -> dict:
             first.append(times[-len(tokens)])
         times.sort()
         out["schemas"][name] = {
-            "compile_ms": round(compile_ms, 1), "tokens": len(tokens),
+            "compile_ms": round(compile_ms, 1),
+            "tokens": len(tokens),
             "mask_us_median": round(statistics.median(times) * 1e6, 1),
             "mask_us_p99": round(times[int(0.99 * (len(times) - 1))] * 1e6, 1),
             "first_mask_us": round(first[0] * 1e6, 1),
@@ -173,8 +181,12 @@ def main(argv=None) -> None:
         print(json.dumps(measure(a.one)))
         return
     for backend in a.backends.split(","):
-        r = subprocess.run([sys.executable, "-m", "bench.grammar_backends", "--one", backend], capture_output=True,
-                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.grammar_backends", "--one", backend],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         print(r.stdout.strip() if r.returncode == 0 else json.dumps({"backend": backend, "error": r.stderr[-400:]}))
 
 

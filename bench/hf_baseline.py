@@ -14,6 +14,7 @@ static batching shows in useful tokens/s. Generation runs greedy with
 min_new_tokens = max_new_tokens (the batch maximum), the counterpart of
 PagedServe's ignore_eos: every row generates exactly that many tokens.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -51,14 +52,19 @@ def _left_padded(batch: list[BenchRequest], pad_id: int) -> tuple[torch.Tensor, 
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, r in enumerate(batch):
-        ids[row, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
-        mask[row, width - r.prompt_len:] = 1
+        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+        mask[row, width - r.prompt_len :] = 1
     return ids, mask
 
 
 @torch.inference_mode()
-def run_static_batches(model, requests: list[BenchRequest], batch_size: int, pad_token_id: int = 0,
-                       on_batch: Callable[[int], None] | None = None) -> dict:
+def run_static_batches(
+    model,
+    requests: list[BenchRequest],
+    batch_size: int,
+    pad_token_id: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict:
     """Runs the requests in arrival order, batch_size at a time; returns time and token counts.
 
     on_batch(n) is called after each batch with its number of requests (progress).
@@ -68,20 +74,34 @@ def run_static_batches(model, requests: list[BenchRequest], batch_size: int, pad
     useful = generated = prompt = 0
     elapsed = 0.0
     for start in range(0, len(requests), batch_size):
-        batch = requests[start:start + batch_size]
+        batch = requests[start : start + batch_size]
         new_tokens = max(r.max_tokens for r in batch)
         ids, mask = _left_padded(batch, pad_token_id)
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_token_id,
+        )
         elapsed += time.perf_counter() - t0
-        assert out.shape == (len(batch), ids.shape[1] + new_tokens), \
+        assert out.shape == (len(batch), ids.shape[1] + new_tokens), (
             f"generate returned {tuple(out.shape)} for a batch of {len(batch)} x {ids.shape[1]} + {new_tokens}"
+        )
         useful += sum(r.max_tokens for r in batch)
         generated += len(batch) * new_tokens
         prompt += sum(r.prompt_len for r in batch)
         if on_batch is not None:
             on_batch(len(batch))
-    return dict(batch_size=batch_size, duration_s=elapsed, useful_output_tokens=useful, generated_tokens=generated,
-                prompt_tokens=prompt, requests_per_s=len(requests) / elapsed,
-                output_tokens_per_s=useful / elapsed, total_tokens_per_s=(useful + prompt) / elapsed)
+    return dict(
+        batch_size=batch_size,
+        duration_s=elapsed,
+        useful_output_tokens=useful,
+        generated_tokens=generated,
+        prompt_tokens=prompt,
+        requests_per_s=len(requests) / elapsed,
+        output_tokens_per_s=useful / elapsed,
+        total_tokens_per_s=(useful + prompt) / elapsed,
+    )

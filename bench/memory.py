@@ -22,6 +22,7 @@ Concurrency: the most requests RUNNING at once under the budget, against
 how many each reserving allocator could admit: budget_tokens / mean(prompt +
 max_tokens), and budget_tokens / max_model_len.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,14 +43,19 @@ DEFAULT_MAX_MODEL_LEN = 1024
 
 def add_args(p) -> None:
     add_workload_args(p)
-    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="the executor's --max-model-len (the reserve-max_model_len comparison uses it)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help="the executor's --max-model-len (the reserve-max_model_len comparison uses it)",
+    )
     p.add_argument("--interval", type=float, default=0.05, help="seconds between status samples")
     p.add_argument("--block-size", type=int, default=None, help="the scheduler's --block-size (its default if unset)")
 
 
-def sample_stats(status: pb.ServerStatus, max_tokens: dict[str, int], block_size: int,
-                 max_model_len: int) -> dict | None:
+def sample_stats(
+    status: pb.ServerStatus, max_tokens: dict[str, int], block_size: int, max_model_len: int
+) -> dict | None:
     """One sample's slot accounting over the running requests; None when nothing runs."""
     # Only this run's requests (ids it chose): another client's would have no known max_tokens.
     running = [r for r in status.requests if r.status == pb.REQUEST_STATUS_RUNNING and r.request_id in max_tokens]
@@ -60,10 +66,17 @@ def sample_stats(status: pb.ServerStatus, max_tokens: dict[str, int], block_size
     reserve = sum(r.prompt_tokens + max_tokens[r.request_id] for r in running)
     reserve_max = len(running) * max_model_len
     assert paged >= held, f"server reports {held} computed tokens in {paged} allocated slots"
-    return dict(num_running=len(running), held_tokens=held, paged_slots=paged, reserve_slots=reserve,
-                reserve_max_slots=reserve_max, kv_blocks_used=status.kv_blocks_used,
-                paged_waste=1 - held / paged if paged else 0.0, reserve_waste=1 - held / reserve,
-                reserve_max_waste=1 - held / reserve_max)
+    return dict(
+        num_running=len(running),
+        held_tokens=held,
+        paged_slots=paged,
+        reserve_slots=reserve,
+        reserve_max_slots=reserve_max,
+        kv_blocks_used=status.kv_blocks_used,
+        paged_waste=1 - held / paged if paged else 0.0,
+        reserve_waste=1 - held / reserve,
+        reserve_max_waste=1 - held / reserve_max,
+    )
 
 
 def summarize(samples: list[dict], requests, budget_tokens: int, max_model_len: int) -> dict:
@@ -73,13 +86,17 @@ def summarize(samples: list[dict], requests, budget_tokens: int, max_model_len: 
     return dict(
         num_samples=len(samples),
         budget_tokens=budget_tokens,
-        waste=dict(paged=statistics.mean(s["paged_waste"] for s in samples),
-                   reserve_prompt_plus_max_tokens=statistics.mean(s["reserve_waste"] for s in samples),
-                   reserve_max_model_len=statistics.mean(s["reserve_max_waste"] for s in samples)),
-        concurrency=dict(paged_max_running=max(s["num_running"] for s in samples),
-                         paged_median_running=statistics.median(s["num_running"] for s in samples),
-                         reserve_prompt_plus_max_tokens=int(budget_tokens // mean_reserve),
-                         reserve_max_model_len=budget_tokens // max_model_len),
+        waste=dict(
+            paged=statistics.mean(s["paged_waste"] for s in samples),
+            reserve_prompt_plus_max_tokens=statistics.mean(s["reserve_waste"] for s in samples),
+            reserve_max_model_len=statistics.mean(s["reserve_max_waste"] for s in samples),
+        ),
+        concurrency=dict(
+            paged_max_running=max(s["num_running"] for s in samples),
+            paged_median_running=statistics.median(s["num_running"] for s in samples),
+            reserve_prompt_plus_max_tokens=int(budget_tokens // mean_reserve),
+            reserve_max_model_len=budget_tokens // max_model_len,
+        ),
         max_kv_blocks_used=max(s["kv_blocks_used"] for s in samples),
     )
 
@@ -87,20 +104,34 @@ def summarize(samples: list[dict], requests, budget_tokens: int, max_model_len: 
 def chart(result: dict, path) -> None:
     s = result["summary"]
     w, c = s["waste"], s["concurrency"]
-    report.bar_panels(path, f"KV cache: paged vs reserve-the-maximum, budget {s['budget_tokens']} tokens", {
-        "KV waste, mean over samples (%)": {"paged": 100 * w["paged"],
-                                            "reserve\nprompt+max": 100 * w["reserve_prompt_plus_max_tokens"],
-                                            "reserve\nmax_model_len": 100 * w["reserve_max_model_len"]},
-        "concurrent requests": {"paged (max seen)": c["paged_max_running"],
-                                "reserve\nprompt+max": c["reserve_prompt_plus_max_tokens"],
-                                "reserve\nmax_model_len": c["reserve_max_model_len"]},
-    }, subtitle=f"{result['workload']['num_requests']} requests, max_model_len {result['max_model_len']}")
+    report.bar_panels(
+        path,
+        f"KV cache: paged vs reserve-the-maximum, budget {s['budget_tokens']} tokens",
+        {
+            "KV waste, mean over samples (%)": {
+                "paged": 100 * w["paged"],
+                "reserve\nprompt+max": 100 * w["reserve_prompt_plus_max_tokens"],
+                "reserve\nmax_model_len": 100 * w["reserve_max_model_len"],
+            },
+            "concurrent requests": {
+                "paged (max seen)": c["paged_max_running"],
+                "reserve\nprompt+max": c["reserve_prompt_plus_max_tokens"],
+                "reserve\nmax_model_len": c["reserve_max_model_len"],
+            },
+        },
+        subtitle=f"{result['workload']['num_requests']} requests, max_model_len {result['max_model_len']}",
+    )
 
 
 def main(args, argv: list[str]) -> dict:
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else DEFAULT_KV_GIB
-    flags = EngineFlags(dtype=args.dtype, num_threads=args.num_threads, kv_cache_gib=kv_gib,
-                        max_model_len=args.max_model_len, block_size=args.block_size)
+    flags = EngineFlags(
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        kv_cache_gib=kv_gib,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+    )
     result = report.new_result(SUITE, argv)
     result["engine_flags"] = flags.as_dict()
     samples: list[dict] = []
@@ -120,8 +151,9 @@ def main(args, argv: list[str]) -> dict:
 
         async def sample(client):
             while True:
-                s = sample_stats(await client.server_status(include_requests=True), max_tokens, block_size,
-                                 max_model_len)
+                s = sample_stats(
+                    await client.server_status(include_requests=True), max_tokens, block_size, max_model_len
+                )
                 if s is not None:
                     samples.append(s)
                 await asyncio.sleep(args.interval)
@@ -135,14 +167,27 @@ def main(args, argv: list[str]) -> dict:
     result["summary"]["num_preemptions"] = after.num_preemptions - before.num_preemptions
     result["summary"]["output_tokens_per_s"] = run.output_tokens / run.duration_s
     s = result["summary"]
-    print(report.format_table(
-        ["allocator", "KV waste (mean)", "max concurrent requests"],
-        [["paged (measured)", f"{s['waste']['paged']:.1%}", s["concurrency"]["paged_max_running"]],
-         ["reserve prompt+max_tokens", f"{s['waste']['reserve_prompt_plus_max_tokens']:.1%}",
-          s["concurrency"]["reserve_prompt_plus_max_tokens"]],
-         [f"reserve max_model_len ({max_model_len})", f"{s['waste']['reserve_max_model_len']:.1%}",
-          s["concurrency"]["reserve_max_model_len"]]]))
-    print(f"KV budget {budget} tokens ({before.kv_blocks_total} blocks of {block_size}); {s['num_samples']} samples; "
-          f"{s['num_preemptions']} preemptions")
+    print(
+        report.format_table(
+            ["allocator", "KV waste (mean)", "max concurrent requests"],
+            [
+                ["paged (measured)", f"{s['waste']['paged']:.1%}", s["concurrency"]["paged_max_running"]],
+                [
+                    "reserve prompt+max_tokens",
+                    f"{s['waste']['reserve_prompt_plus_max_tokens']:.1%}",
+                    s["concurrency"]["reserve_prompt_plus_max_tokens"],
+                ],
+                [
+                    f"reserve max_model_len ({max_model_len})",
+                    f"{s['waste']['reserve_max_model_len']:.1%}",
+                    s["concurrency"]["reserve_max_model_len"],
+                ],
+            ],
+        )
+    )
+    print(
+        f"KV budget {budget} tokens ({before.kv_blocks_total} blocks of {block_size}); {s['num_samples']} samples; "
+        f"{s['num_preemptions']} preemptions"
+    )
     report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result

@@ -10,6 +10,7 @@ conditions: quiet, and "busy", with one other process spinning on a core, the
 way a co-located busy process takes one. Rounds interleave the policies;
 the table has each round's median step time in ms.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,13 @@ def child(policy: str, batch_sizes: list[int]) -> None:
 def run_child(policy: str, batch_sizes: str, busy: bool) -> dict:
     spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
     try:
-        out = subprocess.run([sys.executable, "-m", "bench.omp_wait", "--child", policy, "--batch-sizes", batch_sizes],
-                             capture_output=True, text=True, timeout=900, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.omp_wait", "--child", policy, "--batch-sizes", batch_sizes],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=True,
+        )
     finally:
         if spinner is not None:
             spinner.kill()

@@ -17,6 +17,7 @@ overlap scheduling (the default) the next plan is already waiting when a step
 ends, so what is left is the executor's own hop: writing a result, reading the
 next plan. `--overlap both` (the default) runs with it off, then on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,35 +45,49 @@ def step_stats(steps: list[dict]) -> dict:
         raise RuntimeError(f"only {len(steps)} steps logged; raise --max-tokens")
     ends = [datetime.fromisoformat(x["timestamp"].replace("Z", "+00:00")).timestamp() for x in steps]
     execute = [x["execute_ms"] / 1e3 for x in steps]
-    return dict(steps=len(steps) - SKIP - 1, wall=ends[-1] - ends[SKIP], busy=sum(execute[SKIP + 1:]),
-                gaps_ms=[1e3 * (ends[i] - ends[i - 1] - execute[i]) for i in range(SKIP + 1, len(steps))],
-                tokens=sum(x["num_tokens"] for x in steps[SKIP + 1:]))
+    return dict(
+        steps=len(steps) - SKIP - 1,
+        wall=ends[-1] - ends[SKIP],
+        busy=sum(execute[SKIP + 1 :]),
+        gaps_ms=[1e3 * (ends[i] - ends[i - 1] - execute[i]) for i in range(SKIP + 1, len(steps))],
+        tokens=sum(x["num_tokens"] for x in steps[SKIP + 1 :]),
+    )
 
 
 def run_once(prompts: list[list[int]], max_tokens: int, dtype: str, overlap: bool) -> str:
     scheduler_args = ["--log-level", "debug", "--log-json"] + ([] if overlap else ["--no-overlap-scheduling"])
     with Servers(executor_args=["--dtype", dtype], scheduler_args=scheduler_args) as s, Client(s.public_addr) as c:
-        threads = [threading.Thread(target=c.complete, kwargs=dict(token_ids=prompt, max_tokens=max_tokens,
-                                                                    ignore_eos=True, temperature=0.0))
-                   for prompt in prompts]
+        threads = [
+            threading.Thread(
+                target=c.complete,
+                kwargs=dict(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+            )
+            for prompt in prompts
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         st = step_stats(step_lines(s.logs("scheduler")))
     wall, busy, gaps = st["wall"], st["busy"], st["gaps_ms"]
-    return (f"overlap {'on ' if overlap else 'off'}: {st['steps']} steps: wall {wall:.2f} s, executor busy "
-            f"{busy:.2f} s = {100 * busy / wall:.1f}%; overhead {100 * (1 - busy / wall):.1f}%; per step "
-            f"{1e3 * wall / len(gaps):.0f} ms wall, around the executor median {statistics.median(gaps):.1f} ms "
-            f"(min {min(gaps):.1f}, max {max(gaps):.1f})")
+    return (
+        f"overlap {'on ' if overlap else 'off'}: {st['steps']} steps: wall {wall:.2f} s, executor busy "
+        f"{busy:.2f} s = {100 * busy / wall:.1f}%; overhead {100 * (1 - busy / wall):.1f}%; per step "
+        f"{1e3 * wall / len(gaps):.0f} ms wall, around the executor median {statistics.median(gaps):.1f} ms "
+        f"(min {min(gaps):.1f}, max {max(gaps):.1f})"
+    )
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=120, help="tokens each request decodes")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--overlap", choices=("on", "off", "both"), default="both",
-                   help="overlap scheduling in the scheduler; both = alternate off and on each round")
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="both",
+        help="overlap scheduling in the scheduler; both = alternate off and on each round",
+    )
     p.add_argument("--rounds", type=int, default=1, help="runs of each mode")
     a = p.parse_args(argv)
     rng = random.Random(0)

@@ -16,6 +16,7 @@ output tokens per second.
 Run as `python -m bench.overlap_sim --serve ADDRESS --step-ms X` it is that
 stand-in executor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,12 +61,22 @@ class StandInWorker:
             return result
 
         self.runner = SimpleNamespace(execute=execute)
-        model = SimpleNamespace(model_name="stand-in", architecture="none", vocab_size=VOCAB, eos_token_ids=(),
-                                bos_token_id=None)
-        tokenizer = SimpleNamespace(tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
-                                    eos_token="", add_bos_token=False)
-        return SimpleNamespace(model=model, tokenizer=tokenizer, max_model_len=4096, num_kv_blocks=num_blocks,
-                               kv_cache_bytes=0, dtype_name="none", device="none", attention_backend="none")
+        model = SimpleNamespace(
+            model_name="stand-in", architecture="none", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None
+        )
+        tokenizer = SimpleNamespace(
+            tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="", eos_token="", add_bos_token=False
+        )
+        return SimpleNamespace(
+            model=model,
+            tokenizer=tokenizer,
+            max_model_len=4096,
+            num_kv_blocks=num_blocks,
+            kv_cache_bytes=0,
+            dtype_name="none",
+            device="none",
+            attention_backend="none",
+        )
 
 
 async def serve_stand_in(listen: str, step_s: float) -> None:
@@ -88,8 +99,9 @@ class SimServers(Servers):
     step_ms: float = 0.0
 
     def start_executor(self) -> None:
-        self.executor = self._spawn("bench.overlap_sim", ["--serve", self.executor_addr, "--step-ms", str(self.step_ms)],
-                                    "executor.log")
+        self.executor = self._spawn(
+            "bench.overlap_sim", ["--serve", self.executor_addr, "--step-ms", str(self.step_ms)], "executor.log"
+        )
 
 
 def run_once(step_ms: float, overlap: bool, num_requests: int, max_tokens: int) -> dict:
@@ -101,14 +113,19 @@ def run_once(step_ms: float, overlap: bool, num_requests: int, max_tokens: int) 
     async def submit_all(target: str) -> None:
         # All at once from one event loop, so every decode step carries every request.
         async with AsyncClient(target) as c:
-            await asyncio.gather(*(c.complete(token_ids=p, max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-                                   for p in prompts))
+            await asyncio.gather(
+                *(c.complete(token_ids=p, max_tokens=max_tokens, ignore_eos=True, temperature=0.0) for p in prompts)
+            )
 
     with servers as s:
         asyncio.run(submit_all(s.public_addr))
         st = step_stats(step_lines(s.logs("scheduler")))
-    return dict(steps=st["steps"], busy=st["busy"] / st["wall"], ms_per_step=1e3 * st["wall"] / st["steps"],
-                tokens_per_s=st["tokens"] / st["wall"])
+    return dict(
+        steps=st["steps"],
+        busy=st["busy"] / st["wall"],
+        ms_per_step=1e3 * st["wall"] / st["steps"],
+        tokens_per_s=st["tokens"] / st["wall"],
+    )
 
 
 def main(argv=None) -> None:
@@ -132,8 +149,11 @@ def main(argv=None) -> None:
             for overlap in (False, True):
                 out = run_once(step_ms, overlap, a.requests, a.max_tokens)
                 per_mode[overlap].append(out)
-                print(f"{step_ms:7.1f} {'on' if overlap else 'off':>7} {r + 1:5d} {out['steps']:5d} "
-                      f"{100 * out['busy']:5.1f}% {out['ms_per_step']:8.2f} {out['tokens_per_s']:8.0f}", flush=True)
+                print(
+                    f"{step_ms:7.1f} {'on' if overlap else 'off':>7} {r + 1:5d} {out['steps']:5d} "
+                    f"{100 * out['busy']:5.1f}% {out['ms_per_step']:8.2f} {out['tokens_per_s']:8.0f}",
+                    flush=True,
+                )
         med = {m: statistics.median(o["tokens_per_s"] for o in v) for m, v in per_mode.items()}
         print(f"{step_ms:7.1f} ms steps: overlap on / off = {med[True] / med[False]:.2f}x output tok/s (medians)")
 

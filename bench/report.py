@@ -5,6 +5,7 @@ and `.png`, and record the machine they were measured on: CPU model, cores,
 load average before and after (this project's machines are shared, so a busy
 machine must show in the record), torch version, and the git commit.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -58,9 +59,12 @@ def machine_info() -> dict:
 
 def new_result(suite: str, argv: list[str]) -> dict:
     """The common head of a result file; the suite adds its numbers."""
-    return dict(suite=suite, command="python -m bench " + " ".join(argv),
-                started_at=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                machine=machine_info())
+    return dict(
+        suite=suite,
+        command="python -m bench " + " ".join(argv),
+        started_at=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        machine=machine_info(),
+    )
 
 
 def result_path(suite: str, out_dir: Path | None = None, ext: str = "json") -> Path:
@@ -88,6 +92,7 @@ def save(result: dict, suite: str, out_dir: Path | None, chart=None) -> Path:
 
 def format_table(headers: list[str], rows: list[list]) -> str:
     """A plain aligned text table; floats get 3 significant decimals."""
+
     def cell(v):
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
@@ -129,8 +134,15 @@ def _pyplot():
     return plt
 
 
-def bar_chart(path: Path, title: str, labels: list[str], values: list[float], ylabel: str,
-              colors: list[str] | None = None, subtitle: str = "") -> Path:
+def bar_chart(
+    path: Path,
+    title: str,
+    labels: list[str],
+    values: list[float],
+    ylabel: str,
+    colors: list[str] | None = None,
+    subtitle: str = "",
+) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(labels) + 2), 4))
     bars = ax.bar(labels, values, color=colors or "tab:blue")
@@ -163,8 +175,14 @@ def bar_panels(path: Path, title: str, panels: dict[str, dict[str, float]], subt
     return path
 
 
-def percentile_grid(path: Path, title: str, x: list[float], panels: dict[str, dict[str, list[float]]],
-                    xlabel: str, ylims: dict[str, tuple[float, float]] | None = None) -> Path:
+def percentile_grid(
+    path: Path,
+    title: str,
+    x: list[float],
+    panels: dict[str, dict[str, list[float]]],
+    xlabel: str,
+    ylims: dict[str, tuple[float, float]] | None = None,
+) -> Path:
     """One panel per metric (its title names the unit), one line per percentile, against x (e.g. request rate).
 
     ylims fixes the y range of the panels it names (e.g. 0..1 for a fraction).
@@ -182,7 +200,7 @@ def percentile_grid(path: Path, title: str, x: list[float], panels: dict[str, di
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()

@@ -6,6 +6,7 @@ the same helper the end-to-end tests use (tests/servers.py: a Unix socket for
 the internal hop, a free loopback port for the public API); `--target` skips
 the launch and measures a server someone else started.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,9 +46,11 @@ class EngineFlags:
 
     def scheduler_args(self) -> list[str]:
         args = []
-        for flag, value in (("--max-num-seqs", self.max_num_seqs),
-                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--block-size", self.block_size)):
+        for flag, value in (
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--block-size", self.block_size),
+        ):
             if value is not None:
                 args += [flag, str(value)]
         if not self.prefix_caching:

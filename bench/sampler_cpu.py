@@ -9,6 +9,7 @@ Cases: all greedy (the argmax fast path); all temperature + top_p; temperature +
 top_p with repetition/presence/frequency penalties over a 512-token prompt and
 128 outputs; the same as seeded rows; greedy with top-5 logprobs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,12 @@ CASES = {
     "all greedy": SamplingParams(temperature=0.0),
     "temperature + top_p": SamplingParams(temperature=0.8, top_p=0.95),
     "temperature + top_k": SamplingParams(temperature=0.8, top_k=50),
-    "top_p + penalties": SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1,
-                                        presence_penalty=0.5, frequency_penalty=0.5),
-    "top_p + penalties, seeded": SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1,
-                                                presence_penalty=0.5, frequency_penalty=0.5, seed=7),
+    "top_p + penalties": SamplingParams(
+        temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5
+    ),
+    "top_p + penalties, seeded": SamplingParams(
+        temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5, seed=7
+    ),
     "greedy + logprobs=5": SamplingParams(temperature=0.0, logprobs=5),
 }
 
@@ -46,8 +49,10 @@ def main() -> None:
     prompts = [torch.randint(args.vocab, (512,), generator=gen).tolist() for _ in range(args.batch)]
     outputs = [torch.randint(args.vocab, (128,), generator=gen).tolist() for _ in range(args.batch)]
     sampler = Sampler()
-    print(f"B={args.batch} V={args.vocab} threads={torch.get_num_threads()} iters={args.iters} "
-          f"logits ~ N(0, 3^2), prompts 512 + outputs 128 tokens")
+    print(
+        f"B={args.batch} V={args.vocab} threads={torch.get_num_threads()} iters={args.iters} "
+        f"logits ~ N(0, 3^2), prompts 512 + outputs 128 tokens"
+    )
     for name, params in CASES.items():
         call, cpu, total = [], [], []
         for _ in range(args.iters):
@@ -59,9 +64,11 @@ def main() -> None:
             call.append(t2 - t1)
             cpu.append(c2 - c1)
             total.append(t2 - t0)
-        print(f"{name:28s} sampler {statistics.median(call) * 1e3:7.1f} ms wall "
-              f"{statistics.median(cpu) * 1e3:7.1f} ms cpu   "
-              f"with metadata {statistics.median(total) * 1e3:7.1f} ms wall")
+        print(
+            f"{name:28s} sampler {statistics.median(call) * 1e3:7.1f} ms wall "
+            f"{statistics.median(cpu) * 1e3:7.1f} ms cpu   "
+            f"with metadata {statistics.median(total) * 1e3:7.1f} ms wall"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the tail shows the scheduler's own work and garbage, not full collections
 over the fake executor's state. Targets: well under 1 ms at 256 requests and
 4 ms at 1024.
 """
+
 from __future__ import annotations
 
 import argparse

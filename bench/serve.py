@@ -15,6 +15,7 @@ and E2E (send to last token); plus goodput: the fraction of requests that met
 both TTFT <= --ttft-slo and TPOT <= --tpot-slo, and those requests per second.
 Latencies are measured at the client, through gRPC, as a user would see them.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ def add_args(p) -> None:
     p.add_argument("--rates", default="0.25,0.5,1", help="comma-separated request rates in req/s ('inf' = all at once)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT target in seconds")
     p.add_argument("--tpot-slo", type=float, default=0.25, help="goodput: TPOT target in seconds")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="rounds of the whole sweep; each number is its median over rounds")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="rounds of the whole sweep; each number is its median over rounds"
+    )
 
 
 def latency_summary(run: RunResult, ttft_slo: float, tpot_slo: float) -> dict:
@@ -53,14 +55,23 @@ def latency_summary(run: RunResult, ttft_slo: float, tpot_slo: float) -> dict:
         "itl": [gap for r in recs for gap in r.itls],
         "e2e": [r.e2e for r in recs],
     }
-    out = {m: {f"p{p}": percentile(v, p) for p in PERCENTILES} | {"mean": sum(v) / len(v) if v else math.nan}
-           for m, v in values.items()}
+    out = {
+        m: {f"p{p}": percentile(v, p) for p in PERCENTILES} | {"mean": sum(v) / len(v) if v else math.nan}
+        for m, v in values.items()
+    }
     # A one-token request has no TPOT; it meets the TPOT target trivially.
     good = [r for r in recs if r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= tpot_slo)]
-    out["goodput"] = dict(ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo, fraction=len(good) / len(recs),
-                          requests_per_s=len(good) / run.duration_s)
-    out["achieved"] = dict(duration_s=run.duration_s, requests_per_s=len(recs) / run.duration_s,
-                           output_tokens_per_s=run.output_tokens / run.duration_s)
+    out["goodput"] = dict(
+        ttft_slo_s=ttft_slo,
+        tpot_slo_s=tpot_slo,
+        fraction=len(good) / len(recs),
+        requests_per_s=len(good) / run.duration_s,
+    )
+    out["achieved"] = dict(
+        duration_s=run.duration_s,
+        requests_per_s=len(recs) / run.duration_s,
+        output_tokens_per_s=run.output_tokens / run.duration_s,
+    )
     return out
 
 
@@ -96,8 +107,14 @@ def chart(result: dict, path) -> None:
     g = per_rate[0]["goodput"]
     goodput = f"goodput: share with TTFT<={g['ttft_slo_s']}s, TPOT<={g['tpot_slo_s']}s"
     panels[goodput] = {"fraction": [r["goodput"]["fraction"] for r in per_rate]}
-    report.percentile_grid(path, f"Online serving, {result['workload']['num_requests']} requests per rate "
-                                 f"(Poisson arrivals)", xs, panels, "request rate (req/s)", ylims={goodput: (0, 1.05)})
+    report.percentile_grid(
+        path,
+        f"Online serving, {result['workload']['num_requests']} requests per rate (Poisson arrivals)",
+        xs,
+        panels,
+        "request rate (req/s)",
+        ylims={goodput: (0, 1.05)},
+    )
 
 
 def main(args, argv: list[str]) -> dict:
@@ -123,11 +140,39 @@ def main(args, argv: list[str]) -> dict:
             rounds.append(per_rate)
     result["rounds"] = rounds
     result["rates"] = [median_over_rounds([rnd[i] for rnd in rounds]) for i in range(len(rates))]
-    headers = ["rate", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "ITL p50", "p99", "E2E p50", "p99",
-               "goodput", "out tok/s"]
-    rows = [[r["rate"], r["ttft"]["p50"], r["ttft"]["p90"], r["ttft"]["p99"], r["tpot"]["p50"], r["tpot"]["p90"],
-             r["tpot"]["p99"], r["itl"]["p50"], r["itl"]["p99"], r["e2e"]["p50"], r["e2e"]["p99"],
-             f"{r['goodput']['fraction']:.0%}", r["achieved"]["output_tokens_per_s"]] for r in result["rates"]]
+    headers = [
+        "rate",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "TPOT p50",
+        "p90",
+        "p99",
+        "ITL p50",
+        "p99",
+        "E2E p50",
+        "p99",
+        "goodput",
+        "out tok/s",
+    ]
+    rows = [
+        [
+            r["rate"],
+            r["ttft"]["p50"],
+            r["ttft"]["p90"],
+            r["ttft"]["p99"],
+            r["tpot"]["p50"],
+            r["tpot"]["p90"],
+            r["tpot"]["p99"],
+            r["itl"]["p50"],
+            r["itl"]["p99"],
+            r["e2e"]["p50"],
+            r["e2e"]["p99"],
+            f"{r['goodput']['fraction']:.0%}",
+            r["achieved"]["output_tokens_per_s"],
+        ]
+        for r in result["rates"]
+    ]
     print(report.format_table(headers, rows))
     print(f"(seconds; goodput = share of requests with TTFT <= {args.ttft_slo}s and TPOT <= {args.tpot_slo}s)")
     drawable = not args.no_chart and any(math.isfinite(r) for r in rates)  # all-at-once has no rate axis

@@ -13,6 +13,7 @@ are expected to be slower per token). Greedy, ignore_eos: an unconstrained
 request always runs to max_tokens; a constrained one may finish earlier when
 its JSON is complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ from pagedserve_client import AsyncClient
 async def _one(client, prompt, max_tokens, constraint, t0):
     sent = time.perf_counter() - t0
     times, tokens = [], 0
-    async for msg in client.generate(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                                     constraint=constraint):
+    async for msg in client.generate(
+        token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0, constraint=constraint
+    ):
         if msg.token_ids:
             times.append(time.perf_counter() - t0)
             tokens += len(msg.token_ids)
@@ -54,10 +56,15 @@ def _summary(recs, wall, steps, constrained):
     plain = [r["tpot"] for r, c in zip(recs, constrained) if not c and r["tpot"] is not None]
     cons = [r["tpot"] for r, c in zip(recs, constrained) if c and r["tpot"] is not None]
     out = sum(r["tokens"] for r in recs)
-    return {"wall_s": round(wall, 2), "steps": steps, "output_tokens": out, "tok_per_s": round(out / wall, 1),
-            "tpot_ms_unconstrained": round(1e3 * statistics.mean(plain), 2),
-            "tpot_ms_constrained": round(1e3 * statistics.mean(cons), 2) if cons else None,
-            "constrained_tokens": sum(r["tokens"] for r, c in zip(recs, constrained) if c)}
+    return {
+        "wall_s": round(wall, 2),
+        "steps": steps,
+        "output_tokens": out,
+        "tok_per_s": round(out / wall, 1),
+        "tpot_ms_unconstrained": round(1e3 * statistics.mean(plain), 2),
+        "tpot_ms_constrained": round(1e3 * statistics.mean(cons), 2) if cons else None,
+        "constrained_tokens": sum(r["tokens"] for r, c in zip(recs, constrained) if c),
+    }
 
 
 def main(argv=None) -> None:
@@ -71,11 +78,15 @@ def main(argv=None) -> None:
     p.add_argument("--target", default=None)
     a = p.parse_args(argv)
     rng = random.Random(0)
-    prompts = [[rng.randrange(FIRST_ORDINARY_TOKEN_ID, 49152) for _ in range(a.prompt_len)] for _ in range(a.num_requests)]
+    prompts = [
+        [rng.randrange(FIRST_ORDINARY_TOKEN_ID, 49152) for _ in range(a.prompt_len)] for _ in range(a.num_requests)
+    ]
     every = round(1 / a.fraction)
     schemas = [json.dumps(s) for s, _ in SCHEMAS.values()]
-    constraints = [pb.OutputConstraint(json_schema=schemas[i // every % len(schemas)]) if i % every == 0 else None
-                   for i in range(a.num_requests)]
+    constraints = [
+        pb.OutputConstraint(json_schema=schemas[i // every % len(schemas)]) if i % every == 0 else None
+        for i in range(a.num_requests)
+    ]
     constrained = [c is not None for c in constraints]
     rounds = []
     with running_engine(EngineFlags(num_threads=a.num_threads), a.target) as target:
@@ -88,8 +99,10 @@ def main(argv=None) -> None:
                 print(json.dumps(row), flush=True)
     for name in ("plain", "25pct_json"):
         rows = [r for r in rounds if r["workload"] == name]
-        med = {key: statistics.median(r[key] for r in rows)
-               for key in ("wall_s", "steps", "tok_per_s", "tpot_ms_unconstrained")}
+        med = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("wall_s", "steps", "tok_per_s", "tpot_ms_unconstrained")
+        }
         if name != "plain":
             med["tpot_ms_constrained"] = statistics.median(r["tpot_ms_constrained"] for r in rows)
         print(json.dumps({"median": name, **med}))

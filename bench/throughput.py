@@ -16,6 +16,7 @@ likewise the median of per-round ratios. `--deterministic both` runs the
 executor without and with --deterministic, alternating within each round,
 and reports the median of the per-round on/off ratios (docs/determinism.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,30 +39,43 @@ def add_args(p) -> None:
     p.add_argument("--baseline", choices=("none", "hf"), default="none")
     p.add_argument("--hf-batch-sizes", default=",".join(map(str, hf_baseline.DEFAULT_BATCH_SIZES)))
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: run it too")
-    p.add_argument("--vllm-model", default=None,
-                   help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)")
-    p.add_argument("--no-overlap-scheduling", action="store_true",
-                   help="start PagedServe's scheduler with --no-overlap-scheduling")
-    p.add_argument("--deterministic", choices=("off", "on", "both"), default="off",
-                   help="the executor's --deterministic; both: each dtype in both modes, alternating per round")
+    p.add_argument(
+        "--vllm-model", default=None, help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)"
+    )
+    p.add_argument(
+        "--no-overlap-scheduling", action="store_true", help="start PagedServe's scheduler with --no-overlap-scheduling"
+    )
+    p.add_argument(
+        "--deterministic",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the executor's --deterministic; both: each dtype in both modes, alternating per round",
+    )
 
 
 def measure_pagedserve(target: str, requests, label: str) -> dict:
     progress = report.Progress(label, len(requests))
     run = run_requests(target, requests, on_done=progress.step)
-    return dict(duration_s=run.duration_s, requests_per_s=len(requests) / run.duration_s,
-                output_tokens_per_s=run.output_tokens / run.duration_s,
-                total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.duration_s,
-                output_tokens=run.output_tokens, prompt_tokens=run.prompt_tokens,
-                cached_prompt_tokens=sum(r.cached_prompt_tokens for r in run.records))
+    return dict(
+        duration_s=run.duration_s,
+        requests_per_s=len(requests) / run.duration_s,
+        output_tokens_per_s=run.output_tokens / run.duration_s,
+        total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.duration_s,
+        output_tokens=run.output_tokens,
+        prompt_tokens=run.prompt_tokens,
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in run.records),
+    )
 
 
 def measure_hf(model, requests, batch_sizes: list[int], pad_token_id: int, label: str) -> list[dict]:
     out = []
     for bs in batch_sizes:
         progress = report.Progress(f"{label} hf bs={bs}", len(requests))
-        out.append(hf_baseline.run_static_batches(model, requests, bs, pad_token_id,
-                                                  on_batch=lambda n, p=progress: p.step(n=n)))
+        out.append(
+            hf_baseline.run_static_batches(
+                model, requests, bs, pad_token_id, on_batch=lambda n, p=progress: p.step(n=n)
+            )
+        )
     return out
 
 
@@ -72,8 +86,9 @@ def _median(rounds: list[dict], key: str) -> float:
 def run_dtype(args, flags: EngineFlags) -> dict:
     """Every system on one dtype: engine rounds interleaved with baseline rounds."""
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
-    out: dict = dict(dtype=flags.dtype, engine_flags=flags.as_dict(), pagedserve_rounds=[], hf_rounds=[],
-                     vllm_rounds=[])
+    out: dict = dict(
+        dtype=flags.dtype, engine_flags=flags.as_dict(), pagedserve_rounds=[], hf_rounds=[], vllm_rounds=[]
+    )
     model, requests = None, None
     for r in range(args.repeats):
         label = f"[{SUITE} {flags.dtype} round {r + 1}/{args.repeats}]"
@@ -97,8 +112,9 @@ def run_dtype(args, flags: EngineFlags) -> dict:
             out["hf_rounds"].append(measure_hf(model, requests, batch_sizes, int(info["eos_token_ids"][0]), label))
         if args.vllm_python:
             # A fresh vLLM process per round too (its start-up is not timed).
-            out["vllm_rounds"].append(vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model,
-                                                        flags.num_threads))
+            out["vllm_rounds"].append(
+                vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model, flags.num_threads)
+            )
     del model
     return _summarize(out)
 
@@ -120,8 +136,9 @@ def run_modes(args, variants: list[EngineFlags]) -> list[dict]:
     outs = [_summarize(o) for o in outs]
     base = outs[0]["pagedserve_rounds"]
     for o in outs:
-        o["ratio_vs_first_mode_per_round"] = [p["output_tokens_per_s"] / b["output_tokens_per_s"]
-                                              for p, b in zip(o["pagedserve_rounds"], base)]
+        o["ratio_vs_first_mode_per_round"] = [
+            p["output_tokens_per_s"] / b["output_tokens_per_s"] for p, b in zip(o["pagedserve_rounds"], base)
+        ]
         o["ratio_vs_first_mode"] = statistics.median(o["ratio_vs_first_mode_per_round"])
     return outs
 
@@ -131,14 +148,19 @@ def _summarize(out: dict) -> dict:
     out["pagedserve"] = {k: _median(ps, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     if out["hf_rounds"]:
         sizes = [b["batch_size"] for b in out["hf_rounds"][0]]
-        out["hf"] = {bs: {k: statistics.median(rnd[i][k] for rnd in out["hf_rounds"])
-                          for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
-                     for i, bs in enumerate(sizes)}
+        out["hf"] = {
+            bs: {
+                k: statistics.median(rnd[i][k] for rnd in out["hf_rounds"])
+                for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
+            }
+            for i, bs in enumerate(sizes)
+        }
         best = max(out["hf"], key=lambda bs: out["hf"][bs]["output_tokens_per_s"])
         out["hf_best_batch_size"] = best
         # Each round's ratio uses that round's best batch size: both sides saw the same load.
-        ratios = [p["output_tokens_per_s"] / max(b["output_tokens_per_s"] for b in h)
-                  for p, h in zip(ps, out["hf_rounds"])]
+        ratios = [
+            p["output_tokens_per_s"] / max(b["output_tokens_per_s"] for b in h) for p, h in zip(ps, out["hf_rounds"])
+        ]
         out["ratio_vs_best_hf_per_round"] = ratios
         out["ratio_vs_best_hf"] = statistics.median(ratios)
     vr = out["vllm_rounds"]
@@ -157,18 +179,41 @@ def _summarize(out: dict) -> dict:
 
 def table_rows(d: dict) -> list[list]:
     mode = " --deterministic" if d["engine_flags"]["deterministic"] else ""
-    rows = [[d["dtype"], "PagedServe" + mode, d["pagedserve"]["requests_per_s"], d["pagedserve"]["output_tokens_per_s"],
-             d["pagedserve"]["total_tokens_per_s"],
-             f"{d['ratio_vs_first_mode']:.3f}x" if "ratio_vs_first_mode" in d else ""]]
+    rows = [
+        [
+            d["dtype"],
+            "PagedServe" + mode,
+            d["pagedserve"]["requests_per_s"],
+            d["pagedserve"]["output_tokens_per_s"],
+            d["pagedserve"]["total_tokens_per_s"],
+            f"{d['ratio_vs_first_mode']:.3f}x" if "ratio_vs_first_mode" in d else "",
+        ]
+    ]
     for bs, h in d.get("hf", {}).items():
         ratio = d["pagedserve"]["output_tokens_per_s"] / h["output_tokens_per_s"]
-        rows.append([d["dtype"], f"HF static bs={bs}", h["requests_per_s"], h["output_tokens_per_s"],
-                     h["total_tokens_per_s"], f"{ratio:.2f}x"])
+        rows.append(
+            [
+                d["dtype"],
+                f"HF static bs={bs}",
+                h["requests_per_s"],
+                h["output_tokens_per_s"],
+                h["total_tokens_per_s"],
+                f"{ratio:.2f}x",
+            ]
+        )
     v = d.get("vllm")
     if v:
         if "output_tokens_per_s" in v:
-            rows.append([d["dtype"], "vLLM CPU", v["requests_per_s"], v["output_tokens_per_s"],
-                         v["total_tokens_per_s"], f"{d['ratio_vs_vllm']:.2f}x"])
+            rows.append(
+                [
+                    d["dtype"],
+                    "vLLM CPU",
+                    v["requests_per_s"],
+                    v["output_tokens_per_s"],
+                    v["total_tokens_per_s"],
+                    f"{d['ratio_vs_vllm']:.2f}x",
+                ]
+            )
         else:
             rows.append([d["dtype"], "vLLM CPU", "failed", "", "", v.get("error", "")[:60]])
     return rows
@@ -190,10 +235,16 @@ def chart(result: dict, path) -> None:
             values.append(d["vllm"]["output_tokens_per_s"])
             colors.append("tab:purple")
     w = result["dtypes"][0]["workload"]
-    report.bar_chart(path, "Offline throughput: useful output tokens/s (median over rounds)", labels, values,
-                     "output tokens/s", colors,
-                     subtitle=f"{w['num_requests']} requests, prompts {w['prompt_len_min']}-{w['prompt_len_max']}, "
-                              f"outputs {w['output_len_min']}-{w['output_len_max']}")
+    report.bar_chart(
+        path,
+        "Offline throughput: useful output tokens/s (median over rounds)",
+        labels,
+        values,
+        "output tokens/s",
+        colors,
+        subtitle=f"{w['num_requests']} requests, prompts {w['prompt_len_min']}-{w['prompt_len_max']}, "
+        f"outputs {w['output_len_min']}-{w['output_len_max']}",
+    )
 
 
 def main(args, argv: list[str]) -> dict:
@@ -205,8 +256,13 @@ def main(args, argv: list[str]) -> dict:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
 
     def flags(dt: str, deterministic: bool) -> EngineFlags:
-        return EngineFlags(dtype=dt, num_threads=args.num_threads, kv_cache_gib=args.kv_cache_gib,
-                           overlap_scheduling=not args.no_overlap_scheduling, deterministic=deterministic)
+        return EngineFlags(
+            dtype=dt,
+            num_threads=args.num_threads,
+            kv_cache_gib=args.kv_cache_gib,
+            overlap_scheduling=not args.no_overlap_scheduling,
+            deterministic=deterministic,
+        )
 
     if len(modes) == 1:
         result["dtypes"] = [run_dtype(args, flags(dt, modes[0])) for dt in args.dtype.split(",")]
@@ -216,14 +272,20 @@ def main(args, argv: list[str]) -> dict:
     print(report.format_table(["dtype", "system", "req/s", "out tok/s", "total tok/s", "PagedServe is"], table))
     for d in result["dtypes"]:
         if "ratio_vs_best_hf" in d:
-            print(f"{d['dtype']}: PagedServe / best HF (bs={d['hf_best_batch_size']}) = "
-                  f"{d['ratio_vs_best_hf']:.2f}x (median of per-round ratios "
-                  f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_best_hf_per_round'])})")
+            print(
+                f"{d['dtype']}: PagedServe / best HF (bs={d['hf_best_batch_size']}) = "
+                f"{d['ratio_vs_best_hf']:.2f}x (median of per-round ratios "
+                f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_best_hf_per_round'])})"
+            )
         if d["engine_flags"]["deterministic"] and "ratio_vs_first_mode_per_round" in d:
-            print(f"{d['dtype']}: --deterministic / default = {d['ratio_vs_first_mode']:.3f}x (median of per-round "
-                  f"ratios {', '.join(f'{x:.3f}' for x in d['ratio_vs_first_mode_per_round'])})")
+            print(
+                f"{d['dtype']}: --deterministic / default = {d['ratio_vs_first_mode']:.3f}x (median of per-round "
+                f"ratios {', '.join(f'{x:.3f}' for x in d['ratio_vs_first_mode_per_round'])})"
+            )
         if "ratio_vs_vllm_per_round" in d:
-            print(f"{d['dtype']}: PagedServe / vLLM = {d['ratio_vs_vllm']:.2f}x (median of per-round ratios "
-                  f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_vllm_per_round'])})")
+            print(
+                f"{d['dtype']}: PagedServe / vLLM = {d['ratio_vs_vllm']:.2f}x (median of per-round ratios "
+                f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_vllm_per_round'])})"
+            )
     report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result

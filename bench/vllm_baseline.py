@@ -12,6 +12,7 @@ every GGUF quantization on CPU, so by default the embedded GGUF is turned once
 into a Hugging Face folder (transformers dequantizes it on load, the same
 weights PagedServe dequantizes) and vLLM loads that.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def prepare_hf_folder(path: str = HF_FOLDER) -> str:
     return path
 
 
-def run(vllm_python: str, requests, dtype: str, model: str | None = None, num_threads: int = 0,
-        timeout_s: float = 3600) -> dict:
+def run(
+    vllm_python: str, requests, dtype: str, model: str | None = None, num_threads: int = 0, timeout_s: float = 3600
+) -> dict:
     """Runs the requests in vLLM under vllm_python; the result dict, or {"error": ...} if vLLM failed."""
     model = model or prepare_hf_folder()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
@@ -58,8 +60,11 @@ def run(vllm_python: str, requests, dtype: str, model: str | None = None, num_th
         with open(req_file, "w") as f:
             json.dump([[r.prompt_token_ids, r.max_tokens] for r in requests], f)
         threads = num_threads or len(os.sched_getaffinity(0))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        }
         cmd = [vllm_python, os.path.abspath(__file__), req_file, model, dtype]
         print(f"[throughput] running vLLM: {' '.join(cmd)}", file=sys.stderr)
         try:
@@ -68,7 +73,7 @@ def run(vllm_python: str, requests, dtype: str, model: str | None = None, num_th
             return dict(error=f"{type(e).__name__}: {e}", model=model)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):]) | dict(model=model)
+            return json.loads(line[len(RESULT_MARK) :]) | dict(model=model)
     tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-30:])
     print(f"[throughput] vLLM failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
     return dict(error=f"exit {proc.returncode}: {tail[-2000:]}", model=model)
@@ -85,8 +90,9 @@ def _script(req_file: str, model: str, dtype: str) -> None:
     llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max(1024, max_len), seed=0)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
-                 use_tqdm=False)  # warm-up, not timed
+    llm.generate(
+        prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False
+    )  # warm-up, not timed
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -96,10 +102,22 @@ def _script(req_file: str, model: str, dtype: str) -> None:
     assert out_tokens == want, f"vLLM produced {out_tokens} tokens, the requests asked for {want}"
     import vllm
 
-    print(RESULT_MARK + json.dumps(dict(
-        vllm_version=vllm.__version__, dtype=dtype, duration_s=elapsed, requests_per_s=len(reqs) / elapsed,
-        output_tokens_per_s=out_tokens / elapsed, total_tokens_per_s=(out_tokens + prompt_tokens) / elapsed,
-        output_tokens=out_tokens, prompt_tokens=prompt_tokens)), flush=True)
+    print(
+        RESULT_MARK
+        + json.dumps(
+            dict(
+                vllm_version=vllm.__version__,
+                dtype=dtype,
+                duration_s=elapsed,
+                requests_per_s=len(reqs) / elapsed,
+                output_tokens_per_s=out_tokens / elapsed,
+                total_tokens_per_s=(out_tokens + prompt_tokens) / elapsed,
+                output_tokens=out_tokens,
+                prompt_tokens=prompt_tokens,
+            )
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

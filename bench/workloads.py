@@ -8,6 +8,7 @@ Generators are pure functions of their seed: the same arguments give the same
 list on every machine, which is what lets PagedServe, Hugging Face and vLLM be
 compared on identical requests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,8 +68,9 @@ def with_distinct_first_token(requests: list[BenchRequest], k: int, vocab_size: 
     return [dataclasses.replace(r, prompt_token_ids=[token, *r.prompt_token_ids[1:]]) for r in requests]
 
 
-def uniform_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                     vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+def uniform_workload(
+    num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
     """Prompt and output lengths uniform over the inclusive ranges; random-token prompts."""
     rng = random.Random(seed)
     out = []
@@ -82,8 +84,16 @@ def _clipped_lognormal(rng: random.Random, median: float, sigma: float, lo: int,
     return min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma))))
 
 
-def long_tail_workload(num_requests: int, vocab_size: int, seed: int = 0, *, prompt_median: int = 160,
-                       output_median: int = 96, prompt_max: int = 1024, output_max: int = 512) -> list[BenchRequest]:
+def long_tail_workload(
+    num_requests: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    prompt_median: int = 160,
+    output_median: int = 96,
+    prompt_max: int = 1024,
+    output_max: int = 512,
+) -> list[BenchRequest]:
     """Lengths like chat traffic: log-normal, most requests short, a few long.
 
     Medians and spreads are chosen to resemble public chat logs (prompts a few
@@ -99,17 +109,19 @@ def long_tail_workload(num_requests: int, vocab_size: int, seed: int = 0, *, pro
     return out
 
 
-def shared_prefix_workload(num_requests: int, prefix_len: int, suffix_len: tuple[int, int], output_len: int,
-                           vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+def shared_prefix_workload(
+    num_requests: int, prefix_len: int, suffix_len: tuple[int, int], output_len: int, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
     """One shared 'system prompt' of prefix_len tokens, then a distinct suffix per request.
 
-        request i:  [ shared prefix (prefix_len) | suffix_i (suffix_len) ]
+    request i:  [ shared prefix (prefix_len) | suffix_i (suffix_len) ]
     """
     rng = random.Random(seed)
     prefix = _random_prompt(rng, prefix_len, vocab_size)
     return [
-        BenchRequest(max_tokens=output_len,
-                     prompt_token_ids=prefix + _random_prompt(rng, rng.randint(*suffix_len), vocab_size))
+        BenchRequest(
+            max_tokens=output_len, prompt_token_ids=prefix + _random_prompt(rng, rng.randint(*suffix_len), vocab_size)
+        )
         for _ in range(num_requests)
     ]
 
@@ -124,8 +136,13 @@ def read_jsonl(path: str, limit: int | None = None) -> list[BenchRequest]:
             try:
                 obj = json.loads(line)
                 ids = obj.get("prompt_token_ids")
-                out.append(BenchRequest(max_tokens=int(obj["max_tokens"]), prompt=obj.get("prompt"),
-                                        prompt_token_ids=[int(t) for t in ids] if ids is not None else None))
+                out.append(
+                    BenchRequest(
+                        max_tokens=int(obj["max_tokens"]),
+                        prompt=obj.get("prompt"),
+                        prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
+                    )
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
             if limit is not None and len(out) == limit:
@@ -137,17 +154,22 @@ def read_jsonl(path: str, limit: int | None = None) -> list[BenchRequest]:
 
 def tokenize_text_prompts(requests: list[BenchRequest], tokenize) -> list[BenchRequest]:
     """Replaces text prompts with token ids (tokenize: str -> list[int]), once, before any timing."""
-    return [r if r.prompt_token_ids is not None
-            else BenchRequest(max_tokens=r.max_tokens, prompt_token_ids=list(tokenize(r.prompt)))
-            for r in requests]
+    return [
+        r
+        if r.prompt_token_ids is not None
+        else BenchRequest(max_tokens=r.max_tokens, prompt_token_ids=list(tokenize(r.prompt)))
+        for r in requests
+    ]
 
 
 def check_fits(requests: list[BenchRequest], max_model_len: int, vocab_size: int) -> None:
     """Raises ValueError when a request could not produce exactly max_tokens on this server."""
     for i, r in enumerate(requests):
         if r.prompt_len + r.max_tokens > max_model_len:
-            raise ValueError(f"request {i}: prompt {r.prompt_len} + max_tokens {r.max_tokens} exceeds the "
-                             f"server's max_model_len {max_model_len}")
+            raise ValueError(
+                f"request {i}: prompt {r.prompt_len} + max_tokens {r.max_tokens} exceeds the "
+                f"server's max_model_len {max_model_len}"
+            )
         if r.prompt_token_ids and max(r.prompt_token_ids) >= vocab_size:
             raise ValueError(f"request {i}: token id {max(r.prompt_token_ids)} >= vocab_size {vocab_size}")
 
@@ -170,18 +192,31 @@ def describe(requests: list[BenchRequest]) -> dict:
     """Summary recorded in every result file."""
     p = [r.prompt_len for r in requests]
     o = [r.max_tokens for r in requests]
-    return dict(num_requests=len(requests), prompt_tokens=sum(p), output_tokens=sum(o),
-                prompt_len_min=min(p), prompt_len_max=max(p), output_len_min=min(o), output_len_max=max(o))
+    return dict(
+        num_requests=len(requests),
+        prompt_tokens=sum(p),
+        output_tokens=sum(o),
+        prompt_len_min=min(p),
+        prompt_len_max=max(p),
+        output_len_min=min(o),
+        output_len_max=max(o),
+    )
 
 
 def add_workload_args(p, *, num_requests: int = 64, prompt_len: str = "64:512", output_len: str = "32:256") -> None:
     """The workload flags shared by the throughput and memory suites."""
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("uniform", "longtail"), default="uniform",
-                   help="uniform: lengths uniform over --prompt-len/--output-len; "
-                        "longtail: log-normal like chat traffic")
-    g.add_argument("--jsonl", default=None,
-                   help="read requests from a JSONL file ({prompt_token_ids | prompt, max_tokens} a line) instead")
+    g.add_argument(
+        "--workload",
+        choices=("uniform", "longtail"),
+        default="uniform",
+        help="uniform: lengths uniform over --prompt-len/--output-len; longtail: log-normal like chat traffic",
+    )
+    g.add_argument(
+        "--jsonl",
+        default=None,
+        help="read requests from a JSONL file ({prompt_token_ids | prompt, max_tokens} a line) instead",
+    )
     g.add_argument("--num-requests", type=int, default=num_requests)
     g.add_argument("--prompt-len", default=prompt_len, help="LO:HI tokens (uniform workload)")
     g.add_argument("--output-len", default=output_len, help="LO:HI tokens (uniform workload)")
@@ -196,5 +231,6 @@ def workload_from_args(args, vocab_size: int, tokenize) -> list[BenchRequest]:
         return tokenize_text_prompts(read_jsonl(args.jsonl, limit=args.num_requests), tokenize)
     if args.workload == "longtail":
         return long_tail_workload(args.num_requests, vocab_size, args.seed)
-    return uniform_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len),
-                            vocab_size, args.seed)
+    return uniform_workload(
+        args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab_size, args.seed
+    )

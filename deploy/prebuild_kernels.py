@@ -9,6 +9,7 @@ another the executor compiles its own at first use (the image keeps gcc).
 The loader writes beside the sources only when it may, so --owner hands the
 build folders to the user the image runs as.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`python -m executor_svc`: load the model, serve the internal Executor API."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,13 +60,20 @@ async def serve_worker(config, tp) -> int:
     except ValueError as e:  # a model or setting this executor cannot serve: the message says which
         log.error("model_load_failed", path=path, error=str(e))
         return 1
-    log.info("model_loaded", model=worker.model_config.model_name, load_s=round(time.monotonic() - started, 2),
-             dtype=str(worker.dtype),
-             compute_dtype=str(worker.model.compute_dtype), kv_cache_dtype=str(worker.kv_dtype),
-             device=worker.device.type, attention_backend=worker.attn_backend.name, packed_gemm=worker.packed_gemm,
-             deterministic=config.deterministic,
-             block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
-             tensor_parallel_size=config.tensor_parallel_size)
+    log.info(
+        "model_loaded",
+        model=worker.model_config.model_name,
+        load_s=round(time.monotonic() - started, 2),
+        dtype=str(worker.dtype),
+        compute_dtype=str(worker.model.compute_dtype),
+        kv_cache_dtype=str(worker.kv_dtype),
+        device=worker.device.type,
+        attention_backend=worker.attn_backend.name,
+        packed_gemm=worker.packed_gemm,
+        deterministic=config.deterministic,
+        block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
     metrics = ExecutorMetrics(config.metrics_prefix, model_id(worker.model_config.model_name))
     if config.metrics_listen:
         serve_metrics(config.metrics_listen, metrics.registry)
@@ -89,7 +97,9 @@ def _size_bytes(path: str) -> int:
     """Bytes on disk of a model file or folder (what loading reads)."""
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))
+    return sum(
+        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if os.path.isfile(os.path.join(path, f))
+    )
 
 
 def set_omp_wait_policy(policy: str, environ=os.environ) -> None:

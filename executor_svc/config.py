@@ -1,4 +1,5 @@
 """The executor's configuration: parsed once in `main`, frozen, validated."""
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,9 @@ class ExecutorConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves KV bytes for float32 models
     gpu_memory_utilization: float = 0.9  # fraction of the card for weights+activations+KV
     attention_backend: str = "auto"  # auto: triton on cuda, cpu (native decode kernel) on cpu
-    cpu_gemm: str = "auto"  # auto: the native packed GEMM on AVX-512 CPUs (+ oneDNN bf16 where native bf16), else torch's
+    cpu_gemm: str = (
+        "auto"  # auto: the native packed GEMM on AVX-512 CPUs (+ oneDNN bf16 where native bf16), else torch's
+    )
     gguf_blocks: str = "auto"  # auto: that GEMM also reads Q4_1/Q8_0 GGUF weights in their blocks (small batches; float32 or widened bf16)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     # Batch-invariant kernels: a token's logits do not depend on the rest of the
@@ -64,10 +67,14 @@ class ExecutorConfig:
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"--cpu-gemm {self.cpu_gemm!r}: expected one of {', '.join(CPU_GEMMS)}")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
-            raise ValueError(f"--omp-wait-policy {self.omp_wait_policy!r}: expected one of {', '.join(OMP_WAIT_POLICIES)}")
+            raise ValueError(
+                f"--omp-wait-policy {self.omp_wait_policy!r}: expected one of {', '.join(OMP_WAIT_POLICIES)}"
+            )
         if self.deterministic and (self.cpu_gemm == "torch" or self.attention_backend == "torch"):
-            raise ValueError("--deterministic needs the native CPU kernels: drop --cpu-gemm torch and "
-                             "--attention-backend torch (MKL's and SDPA's sums are ordered by the batch shape)")
+            raise ValueError(
+                "--deterministic needs the native CPU kernels: drop --cpu-gemm torch and "
+                "--attention-backend torch (MKL's and SDPA's sums are ordered by the batch shape)"
+            )
         if self.gguf_blocks not in GGUF_BLOCKS:
             raise ValueError(f"--gguf-blocks {self.gguf_blocks!r}: expected one of {', '.join(GGUF_BLOCKS)}")
         if not self.kv_cache_gib > 0:
@@ -88,64 +95,115 @@ class ExecutorConfig:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = EnvArgumentParser(prog="python -m executor_svc", description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.", environ=environ)
+    p = EnvArgumentParser(
+        prog="python -m executor_svc",
+        description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.",
+        environ=environ,
+    )
     d = ExecutorConfig
-    p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path to serve the internal Executor API on.")
-    p.add_argument("--model", default=d.model, help="A .gguf file, a local Hugging Face folder (config.json + safetensors) "
-                   "or a Hugging Face id (org/name: from the Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1). "
-                   "Default: embedded SmolLM2-135M-Instruct.")
+    p.add_argument(
+        "--listen", default=d.listen, help="HOST:PORT or unix:///path to serve the internal Executor API on."
+    )
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="A .gguf file, a local Hugging Face folder (config.json + safetensors) "
+        "or a Hugging Face id (org/name: from the Hugging Face cache, downloaded unless HF_HUB_OFFLINE=1). "
+        "Default: embedded SmolLM2-135M-Instruct.",
+    )
     p.add_argument("--revision", default=d.revision, help="With a Hugging Face id: the branch, tag or commit to load.")
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="Weights and KV dtype.")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=DTYPES,
-                   help="KV cache storage dtype (auto = the model's). bfloat16 with float32 weights halves the bytes "
-                        "decode attention reads, at bf16 rounding of K/V.")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=DTYPES,
+        help="KV cache storage dtype (auto = the model's). bfloat16 with float32 weights halves the bytes "
+        "decode attention reads, at bf16 rounding of K/V.",
+    )
     p.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib, help="KV-cache memory budget in GiB (CPU).")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, help="Fraction of GPU memory to use (CUDA).")
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=("auto", "cpu", "torch", "triton"),
-                   help="cpu: native decode kernel + torch prefills; torch: plain PyTorch; triton: CUDA kernels.")
-    p.add_argument("--cpu-gemm", default=d.cpu_gemm, choices=CPU_GEMMS,
-                   help="Linear layers on CPU: native = weights packed once for the AVX-512 kernel "
-                        "(float32 arithmetic, also over bfloat16 weights; 1.3-1.5x faster at decode batch sizes); "
-                        "torch = MKL via F.linear (torch's own bf16 for bfloat16); auto = native where it can run, "
-                        "plus oneDNN's bf16 GEMM from a start-up-measured row count on CPUs with native bf16.")
-    p.add_argument("--gguf-blocks", default=d.gguf_blocks, choices=GGUF_BLOCKS,
-                   help="With the native GEMM and a GGUF file: auto = batches of up to 32 rows read Q4_1/Q8_0 weights "
-                        "in their blocks (5/8.5 bits per weight instead of 32; outputs identical to the float32 "
-                        "packed GEMM's, which off uses from 2 rows, MKL at 1; ~1.6x faster decode at batch 1-2); "
-                        "with --dtype bfloat16 (widened, float32 arithmetic) the same batches read them instead of the "
-                        "bf16 weights (the file's exact values, 5/8.5 bits instead of 16; 1.7x faster decode at batch 1, "
-                        "1.14x at 32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
-                        "off = float32 (or bfloat16) weights only.")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="Fraction of GPU memory to use (CUDA).",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=("auto", "cpu", "torch", "triton"),
+        help="cpu: native decode kernel + torch prefills; torch: plain PyTorch; triton: CUDA kernels.",
+    )
+    p.add_argument(
+        "--cpu-gemm",
+        default=d.cpu_gemm,
+        choices=CPU_GEMMS,
+        help="Linear layers on CPU: native = weights packed once for the AVX-512 kernel "
+        "(float32 arithmetic, also over bfloat16 weights; 1.3-1.5x faster at decode batch sizes); "
+        "torch = MKL via F.linear (torch's own bf16 for bfloat16); auto = native where it can run, "
+        "plus oneDNN's bf16 GEMM from a start-up-measured row count on CPUs with native bf16.",
+    )
+    p.add_argument(
+        "--gguf-blocks",
+        default=d.gguf_blocks,
+        choices=GGUF_BLOCKS,
+        help="With the native GEMM and a GGUF file: auto = batches of up to 32 rows read Q4_1/Q8_0 weights "
+        "in their blocks (5/8.5 bits per weight instead of 32; outputs identical to the float32 "
+        "packed GEMM's, which off uses from 2 rows, MKL at 1; ~1.6x faster decode at batch 1-2); "
+        "with --dtype bfloat16 (widened, float32 arithmetic) the same batches read them instead of the "
+        "bf16 weights (the file's exact values, 5/8.5 bits instead of 16; 1.7x faster decode at batch 1, "
+        "1.14x at 32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
+        "off = float32 (or bfloat16) weights only.",
+    )
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads (0 = default).")
-    p.add_argument("--deterministic", action="store_true", default=d.deterministic,
-                   help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
-                        "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
-                        "chunked, after preemption or executor recovery, at any --num-threads "
-                        "(docs/determinism.md). Linear layers never use MKL, and prefill attention runs "
-                        "the decode kernel's reduction order. CPU only.")
-    p.add_argument("--omp-wait-policy", default=d.omp_wait_policy, choices=OMP_WAIT_POLICIES,
-                   help="How idle CPU threads wait between parallel regions: default = the OpenMP runtime's "
-                        "(libgomp spins ~4 ms, then sleeps: fastest on cores of its own; beside another busy "
-                        "process its 64-decode steps ran 1.6-3.6x slower than passive's); passive = sleep at "
-                        "once (for shared cores; slower when the cores are free); active = always spin. "
-                        "Sets OMP_WAIT_POLICY for this process.")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=d.deterministic,
+        help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
+        "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
+        "chunked, after preemption or executor recovery, at any --num-threads "
+        "(docs/determinism.md). Linear layers never use MKL, and prefill attention runs "
+        "the decode kernel's reduction order. CPU only.",
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        default=d.omp_wait_policy,
+        choices=OMP_WAIT_POLICIES,
+        help="How idle CPU threads wait between parallel regions: default = the OpenMP runtime's "
+        "(libgomp spins ~4 ms, then sleeps: fastest on cores of its own; beside another busy "
+        "process its 64-decode steps ran 1.6-3.6x slower than passive's); passive = sleep at "
+        "once (for shared cores; slower when the cores are free); active = always spin. "
+        "Sets OMP_WAIT_POLICY for this process.",
+    )
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="Cap the context length (0 = model's).")
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                   help="Split the model's heads and MLP across this many processes (one device each; "
-                        "--kv-cache-gib is per process).")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="Split the model's heads and MLP across this many processes (one device each; "
+        "--kv-cache-gib is per process).",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
-    p.add_argument("--auth-token-file", default=d.auth_token_file,
-                   help="File holding the secret the scheduler must present (needed on a public --listen). "
-                        "Without it, this installation's secret in --secret-dir is used.")
+    p.add_argument(
+        "--auth-token-file",
+        default=d.auth_token_file,
+        help="File holding the secret the scheduler must present (needed on a public --listen). "
+        "Without it, this installation's secret in --secret-dir is used.",
+    )
     p.add_argument("--auth-token", default="", help="The secret itself; prefer --auth-token-file.")
-    p.add_argument("--secret-dir", default=d.secret_dir,
-                   help="Private directory (0700) of this installation's executor secret, generated on first "
-                        "start; the scheduler must use the same one. Default: $XDG_STATE_HOME/pagedserve "
-                        "(~/.local/state/pagedserve).")
-    p.add_argument("--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards).")
+    p.add_argument(
+        "--secret-dir",
+        default=d.secret_dir,
+        help="Private directory (0700) of this installation's executor secret, generated on first "
+        "start; the scheduler must use the same one. Default: $XDG_STATE_HOME/pagedserve "
+        "(~/.local/state/pagedserve).",
+    )
+    p.add_argument(
+        "--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards)."
+    )
     return p
 
 
@@ -188,4 +246,3 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         )
     except ValueError as e:
         p.error(str(e))
-

@@ -5,6 +5,7 @@ float32 tensors on CPU.
 `available(x)` says whether a tensor can take the native path; the model
 falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,11 +50,23 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    assert weight.is_contiguous() and weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],), (
+        f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
+    )
     out = torch.empty(x.shape, dtype=torch.float32)
-    _lib().rms_norm_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
-                        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-                        weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    _lib().rms_norm_f32(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -63,11 +76,21 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     sin_signed are [tokens, dim]. Returns x."""
     tokens, heads, dim = x.shape
     assert x.stride(2) == 1 and dim % 2 == 0, f"rope needs unit-stride, even head dims: {x.stride()}, {dim}"
-    assert cos.shape == sin_signed.shape == (tokens, dim) and cos.stride() == sin_signed.stride() and cos.stride(1) == 1, (
-        f"cos/sin {tuple(cos.shape)} {cos.stride()} for x {tuple(x.shape)}"
+    assert (
+        cos.shape == sin_signed.shape == (tokens, dim) and cos.stride() == sin_signed.stride() and cos.stride(1) == 1
+    ), f"cos/sin {tuple(cos.shape)} {cos.stride()} for x {tuple(x.shape)}"
+    _lib().rope_f32(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        cos.stride(0),
+        tokens,
+        heads,
+        dim,
+        torch.get_num_threads(),
     )
-    _lib().rope_f32(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin_signed.data_ptr(), cos.stride(0),
-                    tokens, heads, dim, torch.get_num_threads())
     return x
 
 
@@ -78,8 +101,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=torch.float32)
-    status = _lib().silu_mul_f32(out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter,
-                                 torch.get_num_threads())
+    status = _lib().silu_mul_f32(
+        out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
+    )
     return out if status == 0 else None
 
 
@@ -89,6 +113,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     path (no AVX-512)."""
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = _lib().argmax_rows_f32(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
-                                    torch.get_num_threads())
+    status = _lib().argmax_rows_f32(
+        out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads()
+    )
     return out if status == 0 else None

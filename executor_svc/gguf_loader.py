@@ -18,6 +18,7 @@ does. Qwen2 files are not permuted (llama.cpp runs them with NeoX rope).
 `blocks(name)` hands out a Q4_1 or Q8_0 weight still in its blocks, for the
 native GEMM that reads them as they are (packed_linear.pack_blocks).
 """
+
 from __future__ import annotations
 
 import re

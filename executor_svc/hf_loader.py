@@ -9,6 +9,7 @@
 Tensors keep their HF names, which is what model.load_weights asks for. Only
 safetensors are read (no pickled *.bin: loading those runs arbitrary code).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +55,7 @@ def folder_model_name(folder: str) -> str:
     parent = os.path.dirname(path)
     repo = os.path.basename(os.path.dirname(parent))
     if os.path.basename(parent) == "snapshots" and repo.startswith("models--"):
-        return repo[len("models--"):].replace("--", "/")
+        return repo[len("models--") :].replace("--", "/")
     return os.path.basename(path)
 
 

@@ -9,6 +9,7 @@ With tensor parallelism each rank holds only its share of the KV heads
 (num_kv_heads / tp_size) but the same number of blocks: block ids are global,
 so one block table addresses the same block on every rank.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ the grammar bitmask is applied to the logits before its sampler.
 Nothing is built or copied when no row has a bias or a mask: unconstrained
 batches pay one emptiness check.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ class LogitEdits:
     allowed: torch.Tensor | None  # [M, V] bool, True = may be sampled
 
 
-def build_logit_edits(params: list[SamplingParams], masks: list[bytes | None], vocab_size: int,
-                      device) -> LogitEdits | None:
+def build_logit_edits(
+    params: list[SamplingParams], masks: list[bytes | None], vocab_size: int, device
+) -> LogitEdits | None:
     """Edits for one step's sampling rows (batch order); None when there are none.
 
     masks[i] is row i's packed bitmask (shared/token_mask.py) or None.

@@ -18,6 +18,7 @@ Non-torch memory is measured after the step because the step creates much of
 it (NCCL sets up its buffers at the first all-reduce). Other processes count
 too: the fraction caps the card's use, not only this process's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-def kv_budget_bytes(total_bytes: int, utilization: float, baseline_bytes: int, peak_activation_bytes: int,
-                    non_torch_bytes: int) -> int:
+def kv_budget_bytes(
+    total_bytes: int, utilization: float, baseline_bytes: int, peak_activation_bytes: int, non_torch_bytes: int
+) -> int:
     """What the utilisation cap leaves for KV; <= 0 when nothing is left."""
     return int(total_bytes * utilization) - baseline_bytes - peak_activation_bytes - non_torch_bytes
 
@@ -66,16 +68,29 @@ def dummy_sampling_params(num_rows: int, vocab_size: int) -> list[SamplingParams
     """Every sampler path at once, as the peak is what they hold together: all
     truncations, penalties and logprobs, seeded rows beside unseeded ones, and
     one greedy row, so the random rows are gathered into their own copy."""
-    widest = SamplingParams(temperature=0.5, top_p=0.9, top_k=vocab_size - 1, min_p=0.05, repetition_penalty=1.1,
-                            logprobs=min(MAX_LOGPROBS, vocab_size))
+    widest = SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=vocab_size - 1,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        logprobs=min(MAX_LOGPROBS, vocab_size),
+    )
     params = [dataclasses.replace(widest, seed=i if i % 2 else None) for i in range(num_rows)]
     if num_rows > 1:
         params[-1] = dataclasses.replace(widest, temperature=0.0)
     return params
 
 
-def profile_run(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int,
-                max_num_seqs: int, max_model_len: int, tp: TPGroup | None = None) -> int:
+def profile_run(
+    model: LlamaForCausalLM,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    tp: TPGroup | None = None,
+) -> int:
     """Runs the largest step (ModelRunner.profile_run) on dummy requests over a
     temporary KV cache; returns that cache's bytes. A rank cannot tell how far
     the others got, so any failure here ends the tensor-parallel job, as in a step."""
@@ -89,8 +104,16 @@ def profile_run(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype,
     return sum(k.nbytes + v.nbytes for k, v in kv_caches)
 
 
-def cuda_kv_budget(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype, max_num_batched_tokens: int,
-                   max_num_seqs: int, max_model_len: int, utilization: float, tp: TPGroup | None = None) -> int:
+def cuda_kv_budget(
+    model: LlamaForCausalLM,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    utilization: float,
+    tp: TPGroup | None = None,
+) -> int:
     """This rank's KV budget on CUDA, measured around `profile_run`; <= 0 when nothing is left."""
     device = model.embed_tokens.device
     torch.cuda.synchronize(device)
@@ -115,9 +138,14 @@ def cuda_kv_budget(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dty
     peak_activation = max(0, peak - baseline - dummy_kv)
     budget = kv_budget_bytes(total, utilization, baseline, peak_activation, non_torch)
     log.info(
-        "memory_profile", rank=tp.rank if tp else 0, seconds=round(time.perf_counter() - start, 2),
-        total_gib=round(total / GIB, 3), utilization=utilization, baseline_gib=round(baseline / GIB, 3),
-        peak_activation_gib=round(peak_activation / GIB, 3), non_torch_gib=round(non_torch / GIB, 3),
+        "memory_profile",
+        rank=tp.rank if tp else 0,
+        seconds=round(time.perf_counter() - start, 2),
+        total_gib=round(total / GIB, 3),
+        utilization=utilization,
+        baseline_gib=round(baseline / GIB, 3),
+        peak_activation_gib=round(peak_activation / GIB, 3),
+        non_torch_gib=round(non_torch / GIB, 3),
         kv_budget_gib=round(budget / GIB, 3),
     )
     return budget

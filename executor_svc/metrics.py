@@ -3,6 +3,7 @@
 Names are `<prefix>:executor_*` (prefix `pagedserve`, or `vllm` with
 --metrics-prefix vllm); every series carries the served model's `model_name`.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -19,10 +20,14 @@ class ExecutorMetrics:
         def histogram(name, doc, buckets):
             return Histogram(f"{prefix}:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
 
-        self.step_duration = histogram("executor_step_duration_seconds", "Forward + sampling time of one step.", _STEP_BUCKETS)
+        self.step_duration = histogram(
+            "executor_step_duration_seconds", "Forward + sampling time of one step.", _STEP_BUCKETS
+        )
         self.batch_tokens = histogram("executor_batch_tokens", "Tokens computed per step.", _SIZE_BUCKETS)
         self.batch_requests = histogram("executor_batch_requests", "Requests per step.", _SIZE_BUCKETS)
-        self.failed_steps = Counter(f"{prefix}:executor_failed_steps", "Steps that raised.", label, registry=r).labels(model_name)
+        self.failed_steps = Counter(f"{prefix}:executor_failed_steps", "Steps that raised.", label, registry=r).labels(
+            model_name
+        )
 
     def observe(self, plan, result) -> None:
         self.step_duration.observe(result.execute_time_ns / 1e9)

@@ -46,6 +46,7 @@ share of the MLP's intermediate columns. Each layer then needs two all-reduces:
 Embeddings, norms and the LM head are replicated on every rank (simplest; a
 vocab-parallel head would save memory for large vocabularies).
 """
+
 from __future__ import annotations
 
 import math
@@ -194,7 +195,11 @@ LINEAR_PARTS = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
         tp_size: int = 1,
     ) -> None:
         super().__init__()
@@ -313,9 +318,7 @@ class LlamaForCausalLM(nn.Module):
 
         The caller runs attn_backend.prepare(meta) once per step before this.
         """
-        assert len(kv_caches) == len(self.layers), (
-            f"got {len(kv_caches)} KV caches for {len(self.layers)} layers"
-        )
+        assert len(kv_caches) == len(self.layers), f"got {len(kv_caches)} KV caches for {len(self.layers)} layers"
         cos = self.rope_cos[positions]
         sin_signed = self.rope_sin_signed[positions]
         h, delta = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype), None

@@ -12,6 +12,7 @@ context is accepted with max_position_embeddings lowered to the window: no
 sequence can then outgrow the window, so full causal attention is exact.
 `sliding_window` is therefore always None in a ModelConfig.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

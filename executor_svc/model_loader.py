@@ -1,9 +1,10 @@
 """One entry point from a model path to a ready model, its config and its tokenizer.
 
-    None                     -> the embedded SmolLM2-135M-Instruct GGUF
-    /path/model.gguf         -> GGUF (weights dequantized to `dtype`)
-    /path/folder/config.json -> local Hugging Face folder (safetensors)
+None                     -> the embedded SmolLM2-135M-Instruct GGUF
+/path/model.gguf         -> GGUF (weights dequantized to `dtype`)
+/path/folder/config.json -> local Hugging Face folder (safetensors)
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -70,15 +71,28 @@ def onednn_crossover(config, tp_size: int) -> int | None:
         return lambda x: linear(x, weight, None, packed)
 
     crossover, times_us = onednn_linear.calibrate(out_features, config.hidden_size, blocks_for)
-    log.info("bf16_linear_route", onednn_from_rows=crossover, shape=[out_features, config.hidden_size],
-             median_us_blocks_vs_onednn={str(k): v for k, v in times_us.items()})
+    log.info(
+        "bf16_linear_route",
+        onednn_from_rows=crossover,
+        shape=[out_features, config.hidden_size],
+        median_us_blocks_vs_onednn={str(k): v for k, v in times_us.items()},
+    )
     return crossover
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device | str, attn_backend: AttentionBackend,
-    *, tp_rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True, packed_gemm: bool = False,
-    gguf_blocks: bool = False, bf16_onednn: bool = False, batch_invariant: bool = False,
+    path: str | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attn_backend: AttentionBackend,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    with_tokenizer: bool = True,
+    packed_gemm: bool = False,
+    gguf_blocks: bool = False,
+    bf16_onednn: bool = False,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
@@ -93,11 +107,16 @@ def load_model(
     row count. The caller checks that the kernel is available and the model
     is on CPU."""
     checkpoint, load_tokenizer = open_checkpoint(path)
-    model = LlamaForCausalLM(checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
+    model = LlamaForCausalLM(
+        checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size
+    )
     model.load_weights(checkpoint.tensor)
     if packed_gemm:
-        weight_packing.apply(model, checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
-                             onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None,
-                             batch_invariant=batch_invariant)
+        weight_packing.apply(
+            model,
+            checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
+            onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None,
+            batch_invariant=batch_invariant,
+        )
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

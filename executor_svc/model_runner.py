@@ -20,6 +20,7 @@ plan: rank 0 relays the plan as it starts, all ranks prepare and run the
 forward pass, and rank 0 alone computes logits and samples, then relays the
 tokens so every rank's request state stays identical (tensor_parallel.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +65,16 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, vocab_size: int,
-                 device: torch.device, attn_backend: AttentionBackend, tp: TPGroup | None = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        attn_backend: AttentionBackend,
+        tp: TPGroup | None = None,
+    ):
         self.model = model
         self.tp = tp
         self.kv_caches = kv_caches
@@ -106,8 +115,11 @@ class ModelRunner:
             # unwritten. Run none of it; the scheduler recomputes its requests.
             for rid in plan.finished_request_ids + scheduled_ids:
                 self.requests.pop(rid, None)
-            result = StepResult(step_id=plan.step_id, error=f"stale plan: made before step "
-                                f"{self._last_failed_step_id} failed; its requests will be recomputed")
+            result = StepResult(
+                step_id=plan.step_id,
+                error=f"stale plan: made before step "
+                f"{self._last_failed_step_id} failed; its requests will be recomputed",
+            )
             result.execute_time_ns = time.perf_counter_ns() - start
             return result
         try:
@@ -117,19 +129,26 @@ class ModelRunner:
             for rid in scheduled_ids:
                 self.requests.pop(rid, None)
             self._last_failed_step_id = plan.step_id
-            result = StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids)
+            result = StepResult(
+                step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids
+            )
         result.execute_time_ns = time.perf_counter_ns() - start
         return result
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
         """Updates request states from the plan; returns (state, num_scheduled) in batch order."""
         cached = plan.cached_requests
-        lengths = {"request_ids": len(cached.request_ids), "new_block_ids": len(cached.new_block_ids),
-                   "num_computed_tokens": len(cached.num_computed_tokens),
-                   "num_scheduled_tokens": len(cached.num_scheduled_tokens)}
+        lengths = {
+            "request_ids": len(cached.request_ids),
+            "new_block_ids": len(cached.new_block_ids),
+            "num_computed_tokens": len(cached.num_computed_tokens),
+            "num_scheduled_tokens": len(cached.num_scheduled_tokens),
+        }
         if len(set(lengths.values())) > 1:  # zip below would silently drop the extra entries
-            raise PlanError("cached_requests arrays must be aligned, one entry per request; got "
-                            + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
+            raise PlanError(
+                "cached_requests arrays must be aligned, one entry per request; got "
+                + ", ".join(f"{k}: {n}" for k, n in lengths.items())
+            )
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         if plan.new_requests:
@@ -142,11 +161,17 @@ class ModelRunner:
             # Checked here, not by the embedding lookup: a clear error, before any state changes on the device.
             if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
                 bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
-                raise PlanError(f"new request {new.request_id!r}: token id {bad} is outside the vocabulary "
-                                f"(0..{self.vocab_size - 1})")
+                raise PlanError(
+                    f"new request {new.request_id!r}: token id {bad} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})"
+                )
             state = RequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                list(new.block_ids), new.num_computed_tokens,
+                new.request_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling,
+                list(new.block_ids),
+                new.num_computed_tokens,
             )
             self.requests[new.request_id] = state
             batch.append((state, new.num_scheduled_tokens))
@@ -240,9 +265,12 @@ class ModelRunner:
             return result
         try:
             logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
-            edits = build_logit_edits([s.sampling for s in states],
-                                      [plan.allowed_token_masks.get(s.request_id) for s in states],
-                                      self.vocab_size, self.device)
+            edits = build_logit_edits(
+                [s.sampling for s in states],
+                [plan.allowed_token_masks.get(s.request_id) for s in states],
+                self.vocab_size,
+                self.device,
+            )
             if edits is not None:
                 logits = apply_logit_edits(logits, edits)
             md = build_sampling_metadata(
@@ -286,7 +314,9 @@ class ModelRunner:
             block_ids = list(range(next_block, next_block + num_blocks))
             batch.append((RequestState(f"profile-{i}", token_ids, n, sampling, block_ids, 0), n))
             next_block += num_blocks
-        assert next_block <= self.num_blocks, f"the profiling step needs {next_block} blocks, the cache has {self.num_blocks}"
+        assert next_block <= self.num_blocks, (
+            f"the profiling step needs {next_block} blocks, the cache has {self.num_blocks}"
+        )
         # Laid out exactly as a real step would be.
         input_ids, positions, meta, cu = self.prepare_inputs(batch)
         self.attn_backend.prepare(meta)
@@ -296,11 +326,13 @@ class ModelRunner:
             # Equal logits put top-p's nucleus beyond its candidate tokens (in
             # any vocabulary above 4551), so every row takes the full-sort path.
             logits.zero_()
-            md = build_sampling_metadata(params, [s.token_ids for s, _ in batch], [[] for _ in batch],
-                                         self.vocab_size, self.device)
+            md = build_sampling_metadata(
+                params, [s.token_ids for s, _ in batch], [[] for _ in batch], self.vocab_size, self.device
+            )
             self.sampler(logits, md)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
 
 def _check_masks(plan: StepPlan, sampling: list[RequestState]) -> None:
     """A mask for a request that does not sample this step means the scheduler lost track of it."""

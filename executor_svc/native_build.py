@@ -19,6 +19,7 @@ someone else or open to group or others (shared/private_dir.py). A shared
 library is code this process runs: a directory another user can write to, a
 predictable /tmp path above all, would let them plant one.
 """
+
 from __future__ import annotations
 
 import ctypes

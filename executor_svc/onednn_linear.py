@@ -19,6 +19,7 @@ is measured at start-up (`calibrate`) on random weights of the model's
 largest linear shape rather than written down here. Where oneDNN never wins
 (CPUs that emulate bf16) it is not used at all.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,11 @@ CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256, 512)
 
 def available() -> bool:
     """oneDNN's packed linear is built into this torch and takes bfloat16."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ every row count, GGUF blocks where they apply (their outputs are the panels'
 bit for bit), never oneDNN, and no file blocks beside bfloat16 ones (their
 values are not the BF16 blocks').
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -212,8 +213,9 @@ def route(rows: int, packed: PackedWeight | None) -> str:
     return "torch"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: PackedWeight | None = None
+) -> torch.Tensor:
     """x [M, in] @ weight.T (+ bias) -> [M, out]: through the packed kernel
     where `route` picks it, else F.linear (widening a bfloat16 weight for a
     float32 x). Block panels and float32 panels give the same result bit for bit."""
@@ -237,15 +239,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert (blocks.out_features, blocks.in_features) == (out_features, in_features), (
             f"block panels of a {blocks.out_features}x{blocks.in_features} weight used for {tuple(weight.shape)}"
         )
-        status = kernel().gemm_blocks(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), blocks.data.data_ptr(),
-                                      BLOCK_FORMATS[blocks.kind][0], bias_ptr, x.shape[0], out_features, in_features,
-                                      torch.get_num_threads())
+        status = kernel().gemm_blocks(
+            out.data_ptr(),
+            out.stride(0),
+            x.data_ptr(),
+            x.stride(0),
+            blocks.data.data_ptr(),
+            BLOCK_FORMATS[blocks.kind][0],
+            bias_ptr,
+            x.shape[0],
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
         assert status == 0, f"packed_gemm_quant returned {status} for {blocks.kind} {out_features}x{in_features}"
     else:
         panels = packed.panels
         assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features, (
             f"panels {tuple(panels.shape)} do not pack a {tuple(weight.shape)} weight"
         )
-        kernel().gemm(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), panels.data_ptr(), bias_ptr,
-                      x.shape[0], out_features, in_features, torch.get_num_threads())
+        kernel().gemm(
+            out.data_ptr(),
+            out.stride(0),
+            x.data_ptr(),
+            x.stride(0),
+            panels.data_ptr(),
+            bias_ptr,
+            x.shape[0],
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
     return out

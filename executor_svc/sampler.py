@@ -22,6 +22,7 @@ so the draw depends on nothing else: not on batch order or size, not on the
 previous draws, and a request recomputed after preemption redraws the same
 tokens. Unseeded rows draw E from torch's global generator.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,8 +62,9 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
-                   vocab_keys: torch.Tensor) -> torch.Tensor:
+def seeded_uniform(
+    seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, vocab_keys: torch.Tensor
+) -> torch.Tensor:
     """Uniform noise in (0, 1), [S, V] float32, a pure function of (seed, position, v).
 
     seed_lo/seed_hi/positions: [S] int64 in [0, 2**32); vocab_keys: [V] from
@@ -124,8 +126,12 @@ class SamplingMetadata:
 
     @property
     def needs_only_argmax(self) -> bool:
-        return (self.all_greedy and self.penalty_index is None and self.min_tokens_index is None
-                and self.logprob_rows is None)
+        return (
+            self.all_greedy
+            and self.penalty_index is None
+            and self.min_tokens_index is None
+            and self.logprob_rows is None
+        )
 
 
 @dataclass
@@ -151,19 +157,22 @@ def _validate(p: SamplingParams, vocab_size: int) -> None:
 
 def _flat_token_index(token_lists: list[list[int]], rows: list[int], vocab_size: int) -> torch.Tensor:
     """CPU int64 [sum of lengths]: row * V + token for every token of the given rows."""
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists[r] for r in rows)),
-                          dtype=torch.int64)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists[r] for r in rows)), dtype=torch.int64)
     if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}) in a penalised prompt or output")
     lengths = torch.tensor([len(token_lists[r]) for r in rows], dtype=torch.int64)
     return torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths) * vocab_size + tokens
 
 
-def _penalty_entries(params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                     output_token_ids: list[list[int]], vocab_size: int):
+def _penalty_entries(
+    params: list[SamplingParams], prompt_token_ids: list[list[int]], output_token_ids: list[list[int]], vocab_size: int
+):
     """(index, counts, repetition, presence, frequency) on CPU, or None when no row is penalised."""
-    pen_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    pen_rows = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    ]
     if not pen_rows:
         return None
     rep_rows = [i for i in pen_rows if params[i].repetition_penalty != 1.0]
@@ -179,12 +188,22 @@ def _penalty_entries(params: list[SamplingParams], prompt_token_ids: list[list[i
     def per_entry(name):
         return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)[rows]
 
-    return (index, counts, per_entry("repetition_penalty"), per_entry("presence_penalty"),
-            per_entry("frequency_penalty"))
+    return (
+        index,
+        counts,
+        per_entry("repetition_penalty"),
+        per_entry("presence_penalty"),
+        per_entry("frequency_penalty"),
+    )
 
 
-def build_sampling_metadata(params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                            output_token_ids: list[list[int]], vocab_size: int, device) -> SamplingMetadata:
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device,
+) -> SamplingMetadata:
     """One row per request sampling this step, in batch order.
 
     The output position used by seeded rows is len(output_token_ids[i]): the
@@ -193,8 +212,10 @@ def build_sampling_metadata(params: list[SamplingParams], prompt_token_ids: list
     """
     num_rows = len(params)
     if not num_rows == len(prompt_token_ids) == len(output_token_ids):
-        raise ValueError(f"{num_rows} params, {len(prompt_token_ids)} prompts, "
-                         f"{len(output_token_ids)} outputs: need one of each per row")
+        raise ValueError(
+            f"{num_rows} params, {len(prompt_token_ids)} prompts, "
+            f"{len(output_token_ids)} outputs: need one of each per row"
+        )
     for p in params:
         _validate(p, vocab_size)
     num_outputs = [len(o) for o in output_token_ids]
@@ -210,8 +231,12 @@ def build_sampling_metadata(params: list[SamplingParams], prompt_token_ids: list
     seeds = [rp[j].seed % (1 << 64) for j in seeded]
     penalties = _penalty_entries(params, prompt_token_ids, output_token_ids, vocab_size)
     index, counts, rep, pres, freq = (t.to(device) for t in penalties) if penalties else (None,) * 5
-    masked = [i * vocab_size + t for i, p in enumerate(params) if num_outputs[i] < p.min_tokens
-              for t in p.min_tokens_masked_ids]
+    masked = [
+        i * vocab_size + t
+        for i, p in enumerate(params)
+        if num_outputs[i] < p.min_tokens
+        for t in p.min_tokens_masked_ids
+    ]
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
 
     return SamplingMetadata(
@@ -314,8 +339,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.shape != (md.num_rows, md.vocab_size):
-            raise ValueError(f"logits shape {tuple(logits.shape)} does not match the metadata's "
-                             f"({md.num_rows}, {md.vocab_size})")
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match the metadata's ({md.num_rows}, {md.vocab_size})"
+            )
         if md.needs_only_argmax:
             return SamplerOutput(argmax(logits), [None] * md.num_rows)
         logits = logits.float()  # never modified in place: the caller's tensor stays intact
@@ -374,8 +400,9 @@ class Sampler:
         return noise
 
     @staticmethod
-    def _logprobs_result(logprobs: torch.Tensor | None, tokens: torch.Tensor,
-                         md: SamplingMetadata) -> list[TokenLogprobs | None]:
+    def _logprobs_result(
+        logprobs: torch.Tensor | None, tokens: torch.Tensor, md: SamplingMetadata
+    ) -> list[TokenLogprobs | None]:
         """Python results from the raw log_softmax [L, V] of the rows asking."""
         result: list[TokenLogprobs | None] = [None] * md.num_rows
         if logprobs is None:

@@ -10,6 +10,7 @@ the peers that hold it, one scheduler at a time owns the executor (`_claim`);
 every handshake drops the request state and zeroes the KV memory
 (Worker.configure), so a new owner never reads what an earlier one computed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,30 +57,44 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if request.block_size_tokens == 0 or request.block_size_tokens > 256:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"block_size_tokens must be 1..256, got {request.block_size_tokens}"
+            )
         sid = request.scheduler_id
         if not sid or len(sid) > MAX_SCHEDULER_ID_CHARS or not sid.isprintable():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"scheduler_id must be 1..{MAX_SCHEDULER_ID_CHARS} printable characters")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"scheduler_id must be 1..{MAX_SCHEDULER_ID_CHARS} printable characters",
+            )
         async with self._handshake_lock:
             await self._claim(sid, context)
             loop = asyncio.get_running_loop()
             # Drops all request state and zeroes the KV memory before this owner's first step.
             info = await loop.run_in_executor(
-                self._forward_thread, self._worker.configure, request.block_size_tokens,
-                request.max_num_batched_tokens, request.max_num_seqs,
+                self._forward_thread,
+                self._worker.configure,
+                request.block_size_tokens,
+                request.max_num_batched_tokens,
+                request.max_num_seqs,
             )
         log.info("handshake", scheduler_id=sid, block_size=request.block_size_tokens, num_kv_blocks=info.num_kv_blocks)
         m, t = info.model, info.tokenizer
         return pb.HandshakeResponse(
             model=pb.ModelDescription(
-                model_name=m.model_name, architecture=m.architecture, vocab_size=m.vocab_size,
-                eos_token_ids=list(m.eos_token_ids), max_model_len_tokens=info.max_model_len,
-                dtype=info.dtype_name, **({"bos_token_id": m.bos_token_id} if m.bos_token_id is not None else {}),
+                model_name=m.model_name,
+                architecture=m.architecture,
+                vocab_size=m.vocab_size,
+                eos_token_ids=list(m.eos_token_ids),
+                max_model_len_tokens=info.max_model_len,
+                dtype=info.dtype_name,
+                **({"bos_token_id": m.bos_token_id} if m.bos_token_id is not None else {}),
             ),
             tokenizer=pb.TokenizerInfo(
-                tokenizer_json=t.tokenizer_json, chat_template=t.chat_template,
-                bos_token=t.bos_token, eos_token=t.eos_token, add_bos_token=t.add_bos_token,
+                tokenizer_json=t.tokenizer_json,
+                chat_template=t.chat_template,
+                bos_token=t.bos_token,
+                eos_token=t.eos_token,
+                add_bos_token=t.add_bos_token,
             ),
             num_kv_blocks=info.num_kv_blocks,
             kv_cache_bytes=info.kv_cache_bytes,
@@ -107,11 +122,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 pass
             unopened = self._stream_replaced is None and time.monotonic() - self._claimed_at < CLAIM_S
             if self._stream_replaced is not None or unopened:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    "another scheduler is connected to this executor (one executor serves one scheduler)")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "another scheduler is connected to this executor (one executor serves one scheduler)",
+                )
             # Worth an operator's look: a restarted scheduler, or someone else holding the secret.
-            log.warning("executor_owner_changed", previous_scheduler_id=self._owner, scheduler_id=scheduler_id,
-                        kv_cache="zeroed before the new owner's first step")
+            log.warning(
+                "executor_owner_changed",
+                previous_scheduler_id=self._owner,
+                scheduler_id=scheduler_id,
+                kv_cache="zeroed before the new owner's first step",
+            )
         self._owner, self._claimed_at = scheduler_id, time.monotonic()
 
     async def _end_open_stream(self) -> None:
@@ -122,8 +143,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     async def Step(self, request_iterator, context):
         scheduler_id = dict(context.invocation_metadata()).get(SCHEDULER_ID_KEY, "")
         if not self._worker.configured or not scheduler_id or scheduler_id != self._owner:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "Step needs a handshake from the same scheduler first (one executor serves one scheduler)")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "Step needs a handshake from the same scheduler first (one executor serves one scheduler)",
+            )
         if self._stream_replaced is not None:  # the owner's old stream is still open: end it first
             await self._end_open_stream()
         replaced = self._stream_replaced = asyncio.Event()
@@ -165,7 +188,9 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def serve(worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str) -> tuple[grpc.aio.Server, health.HealthServicer]:
+async def serve(
+    worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str
+) -> tuple[grpc.aio.Server, health.HealthServicer]:
     """Serves `worker` on `listen`; every call but health must present `auth_token`."""
     if not auth_token:
         raise ValueError("the executor serves only a scheduler that presents its secret: auth_token is required")

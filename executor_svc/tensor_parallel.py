@@ -36,6 +36,7 @@ This module is the collective primitive (`TPGroup`, `join`): it knows
 nothing of workers or models. Starting the ranks and a follower's life
 (`launch`, `follow`, `follower_main`) sit above the worker, in tp_launch.py.
 """
+
 from __future__ import annotations
 
 import contextlib

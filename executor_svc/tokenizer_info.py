@@ -14,6 +14,7 @@ We build the JSON through transformers rather than copying tokenizer.json,
 because transformers rewrites the post-processor from tokenizer_config.json's
 add_bos_token/add_eos_token, and a GGUF has no tokenizer.json at all.
 """
+
 from __future__ import annotations
 
 import os

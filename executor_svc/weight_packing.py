@@ -30,8 +30,12 @@ from executor_svc.packed_linear import BLOCK_K, PackedWeight, pack, pack_bf16, p
 BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
 
 
-def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min_rows: int | None = None,
-          batch_invariant: bool = False) -> None:
+def apply(
+    model: LlamaForCausalLM,
+    blocks: BlockSource | None = None,
+    onednn_min_rows: int | None = None,
+    batch_invariant: bool = False,
+) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
     bfloat16 one (with oneDNN from `onednn_min_rows` rows where given), either
     with the GGUF `blocks` where given; `batch_invariant` (--deterministic)
@@ -44,7 +48,9 @@ def apply(model: LlamaForCausalLM, blocks: BlockSource | None = None, onednn_min
 
 
 @torch.no_grad()
-def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False) -> None:
+def pack_linear_weights(
+    model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False
+) -> None:
     """Adds the native CPU GEMM's packed copy of every linear weight and of
     the head (packed_linear.py), after load_weights, on float32 CPU models
     where the kernel was built. It doubles the linear weights' memory
@@ -64,17 +70,23 @@ def pack_linear_weights(model: LlamaForCausalLM, blocks: BlockSource | None = No
         for name, (parts, split) in LINEAR_PARTS.items():
             weight = getattr(layer, f"{name}_weight")
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            layer.packed[name] = PackedWeight(pack(weight), _block_panels(model, blocks, names, split, weight),
-                                              batch_invariant=batch_invariant)
+            layer.packed[name] = PackedWeight(
+                pack(weight), _block_panels(model, blocks, names, split, weight), batch_invariant=batch_invariant
+            )
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    model._head_packed = PackedWeight(pack(head), _block_panels(model, blocks, [head_name], None, head),
-                                      batch_invariant=batch_invariant)
+    model._head_packed = PackedWeight(
+        pack(head), _block_panels(model, blocks, [head_name], None, head), batch_invariant=batch_invariant
+    )
 
 
 @torch.no_grad()
-def widen_bf16(model: LlamaForCausalLM, onednn_min_rows: int | None = None, blocks: BlockSource | None = None,
-               batch_invariant: bool = False) -> None:
+def widen_bf16(
+    model: LlamaForCausalLM,
+    onednn_min_rows: int | None = None,
+    blocks: BlockSource | None = None,
+    batch_invariant: bool = False,
+) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
     at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs

@@ -10,6 +10,7 @@ With tensor parallelism (`tp` given) each rank's Worker holds its share of the
 model and KV heads; rank 0's `configure` relays itself to the other ranks, and
 all ranks agree on one block count (tensor_parallel.py; tp_launch.py starts them).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,8 +79,10 @@ def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, determi
     --deterministic needs it for either dtype on every CPU: its sums are the
     batch-invariant ones (docs/determinism.md)."""
     if deterministic and device.type != "cpu":
-        raise ValueError("--deterministic runs on CPU only: on CUDA the linear layers are cuBLAS GEMMs, whose "
-                         "reduction order depends on the batch size (docs/determinism.md)")
+        raise ValueError(
+            "--deterministic runs on CPU only: on CUDA the linear layers are cuBLAS GEMMs, whose "
+            "reduction order depends on the batch size (docs/determinism.md)"
+        )
     if name == "torch" or device.type != "cpu":
         return False
     # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
@@ -95,8 +98,9 @@ def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype) -> bool:
     """Whether a widened bfloat16 model also sends its larger row counts to
     oneDNN's bf16 GEMM: with --cpu-gemm auto on CPUs with native bf16 (elsewhere
     oneDNN emulates bf16 and never beats the float32 kernel)."""
-    return (name == "auto" and packed_gemm and dtype == torch.bfloat16 and cpu_has_fast_bf16()
-            and onednn_linear.available())
+    return (
+        name == "auto" and packed_gemm and dtype == torch.bfloat16 and cpu_has_fast_bf16() and onednn_linear.available()
+    )
 
 
 class Worker:
@@ -106,7 +110,9 @@ class Worker:
         self.tp_size = 1 if tp is None else tp.size
         self.device = resolve_device(config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
+        self.kv_dtype = (
+            self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
+        )
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "cpu"
@@ -118,11 +124,19 @@ class Worker:
             # share, since oversubscribed OpenMP threads spin against each other.
             torch.set_num_threads(config.num_threads or max(1, torch.get_num_threads() // self.tp_size))
         self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype, config.deterministic)
-        loaded = load_model(config.model, self.dtype, self.device, self.attn_backend, tp_rank=tp.rank if tp else 0,
-                            tp_size=self.tp_size, with_tokenizer=tp is None or tp.is_driver,
-                            packed_gemm=self.packed_gemm, gguf_blocks=config.gguf_blocks == "auto",
-                            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype) and not config.deterministic,
-                            batch_invariant=config.deterministic)
+        loaded = load_model(
+            config.model,
+            self.dtype,
+            self.device,
+            self.attn_backend,
+            tp_rank=tp.rank if tp else 0,
+            tp_size=self.tp_size,
+            with_tokenizer=tp is None or tp.is_driver,
+            packed_gemm=self.packed_gemm,
+            gguf_blocks=config.gguf_blocks == "auto",
+            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype) and not config.deterministic,
+            batch_invariant=config.deterministic,
+        )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap
@@ -140,8 +154,16 @@ class Worker:
             return int(self.config.kv_cache_gib * GIB)
         # CUDA: what the card has left under the utilisation cap once the
         # largest step the scheduler may send has run (memory_profile.py).
-        return cuda_kv_budget(self.model, block_size, self.kv_dtype, max_num_batched_tokens, max_num_seqs,
-                              self.max_model_len, self.config.gpu_memory_utilization, self.tp)
+        return cuda_kv_budget(
+            self.model,
+            block_size,
+            self.kv_dtype,
+            max_num_batched_tokens,
+            max_num_seqs,
+            self.max_model_len,
+            self.config.gpu_memory_utilization,
+            self.tp,
+        )
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
         """Sizes and allocates KV memory for `block_size`; drops all request state.
@@ -166,7 +188,9 @@ class Worker:
         cfg, tp_size = self.model_config, self.tp_size
         num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.kv_dtype, tp_size)
         kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.kv_dtype, self.device, tp_size)
-        self.runner = ModelRunner(self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp)
+        self.runner = ModelRunner(
+            self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp
+        )
         self._sized_for = sized_for
         self._info = HandshakeInfo(
             model=self.model_config,
@@ -179,5 +203,10 @@ class Worker:
             device=self.device.type,
             attention_backend=self.attn_backend.name,
         )
-        log.info("kv_cache_allocated", num_blocks=num_blocks, block_size=block_size, gib=round(self._info.kv_cache_bytes / GIB, 3))
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            gib=round(self._info.kv_cache_bytes / GIB, 3),
+        )
         return self._info

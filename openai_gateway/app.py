@@ -11,6 +11,7 @@ caller's Authorization header rides along as gRPC metadata for the scheduler to
 check. A client that disconnects cancels its gRPC call, which is what makes the
 scheduler free the request's KV blocks at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -111,8 +112,11 @@ class Gateway:
     async def lifespan(self, app):
         # gRPC's reconnect backoff grows to minutes while the scheduler is down; cap it so that
         # the gateway serves again within ~2 s of the scheduler coming back.
-        self.client = AsyncClient(self.config.scheduler, tls_ca=self.config.scheduler_tls_ca or None,
-                                  options=(("grpc.max_reconnect_backoff_ms", 2000),))
+        self.client = AsyncClient(
+            self.config.scheduler,
+            tls_ca=self.config.scheduler_tls_ca or None,
+            options=(("grpc.max_reconnect_backoff_ms", 2000),),
+        )
         try:
             yield
         finally:
@@ -124,16 +128,27 @@ class Gateway:
         except grpc.RpcError:
             status = health_pb2.HealthCheckResponse.UNKNOWN
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-        return JSONResponse({"status": name}, status_code=200 if status == health_pb2.HealthCheckResponse.SERVING else 503)
+        return JSONResponse(
+            {"status": name}, status_code=200 if status == health_pb2.HealthCheckResponse.SERVING else 503
+        )
 
     async def _model_card(self, request: Request) -> dict:
         try:
             info = await self.client.model_info(metadata=_auth(request))
         except grpc.RpcError as e:
             raise from_grpc(e, {}) from e
-        self.names = {self.config.served_model_name} if self.config.served_model_name else {model_id(info.model_name), info.model_name}
-        return {"id": self.config.served_model_name or model_id(info.model_name), "object": "model", "created": self.started,
-                "owned_by": "pagedserve", "max_model_len": info.max_model_len_tokens}
+        self.names = (
+            {self.config.served_model_name}
+            if self.config.served_model_name
+            else {model_id(info.model_name), info.model_name}
+        )
+        return {
+            "id": self.config.served_model_name or model_id(info.model_name),
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pagedserve",
+            "max_model_len": info.max_model_len_tokens,
+        }
 
     async def _check_model(self, request: Request, name: str) -> None:
         """404 for a model this server does not serve (as vLLM and OpenAI answer)."""
@@ -141,8 +156,13 @@ class Gateway:
             await self._model_card(request)  # learns the names once; the scheduler serves one model for its life
         if name not in self.names:
             served = self.config.served_model_name or min(self.names, key=len)
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{served}`.", "model", "model_not_found",
-                           "NotFoundError")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{served}`.",
+                "model",
+                "model_not_found",
+                "NotFoundError",
+            )
 
     async def list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [await self._model_card(request)]})
@@ -162,16 +182,25 @@ class Gateway:
         """Each token's own text, for logprobs (the stream carries ids only). One small RPC per
         distinct id, concurrently: fine on the loopback hop, and only when logprobs are asked for."""
         ids = sorted(token_ids)
-        texts = await asyncio.gather(*(self.client.detokenize([i], skip_special_tokens=False, metadata=metadata) for i in ids))
+        texts = await asyncio.gather(
+            *(self.client.detokenize([i], skip_special_tokens=False, metadata=metadata) for i in ids)
+        )
         return dict(zip(ids, texts))
 
     async def _echoes(self, t: Translated, md) -> list[str]:
         """Per prompt, the text its choices start with: the prompt itself under `echo`, else nothing."""
         if not t.echo:
             return [""] * len(t.prompts)
-        return list(await asyncio.gather(*(
-            _const(p["prompt"]) if "prompt" in p else self.client.detokenize(p["token_ids"], skip_special_tokens=False, metadata=md)
-            for p in t.prompts)))
+        return list(
+            await asyncio.gather(
+                *(
+                    _const(p["prompt"])
+                    if "prompt" in p
+                    else self.client.detokenize(p["token_ids"], skip_special_tokens=False, metadata=md)
+                    for p in t.prompts
+                )
+            )
+        )
 
     async def _generate(self, request: Request, t: Translated) -> Response:
         md = _auth(request)
@@ -184,8 +213,13 @@ class Gateway:
             await self._check_model(request, t.model)
             echoes = await self._echoes(t, md)
             if not t.stream:
-                groups = await _unless_disconnected(request, _all_or_none(
-                    self.client.complete(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)))
+                groups = await _unless_disconnected(
+                    request,
+                    _all_or_none(
+                        self.client.complete(request_id=rid, metadata=md, **prompt, **t.kwargs)
+                        for rid, prompt in zip(ids, t.prompts)
+                    ),
+                )
                 samples = [s for g in groups for s in g]
                 logprobs = [None] * len(samples)
                 if t.logprobs:
@@ -194,7 +228,10 @@ class Gateway:
                 return JSONResponse(response_json(t, response_id, created, groups, logprobs, echoes), headers=headers)
             # Wait for each prompt's first message before answering 200: a request the scheduler
             # rejects gets a proper HTTP error instead of an error event inside a started stream.
-            gens = [self.client.generate(request_id=rid, metadata=md, **prompt, **t.kwargs) for rid, prompt in zip(ids, t.prompts)]
+            gens = [
+                self.client.generate(request_id=rid, metadata=md, **prompt, **t.kwargs)
+                for rid, prompt in zip(ids, t.prompts)
+            ]
             try:
                 firsts = await _unless_disconnected(request, _all_or_none(anext(g) for g in gens))
             except BaseException:
@@ -204,8 +241,11 @@ class Gateway:
             raise from_grpc(e, t.renames) from e
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the gRPC calls are already cancelled
-        return StreamingResponse(self._stream(t, response_id, created, list(zip(firsts, gens)), echoes, md),
-                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+        return StreamingResponse(
+            self._stream(t, response_id, created, list(zip(firsts, gens)), echoes, md),
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache"},
+        )
 
     async def _stream(self, t: Translated, response_id: str, created: int, streams, echoes: list[str], md):
         """SSE chunks, one per gRPC message that carries something; prompt p's sample i is choice
@@ -225,8 +265,9 @@ class Gateway:
                 finish = msg.finish_reason
                 text = (echoes[p] if is_first else "") + msg.text
                 if t.tools is not None:
-                    for chunk in self._tool_chunks(t, response_id, created, index, msg.text, finish, logprobs,
-                                                   is_first, tool_state):
+                    for chunk in self._tool_chunks(
+                        t, response_id, created, index, msg.text, finish, logprobs, is_first, tool_state
+                    ):
                         yield _sse(chunk)
                 elif text or logprobs or finish or is_first:
                     yield _sse(chunk_json(t, response_id, created, index, text, finish, logprobs, is_first))
@@ -241,8 +282,17 @@ class Gateway:
         yield _DONE
 
     @staticmethod
-    def _tool_chunks(t: Translated, response_id: str, created: int, index: int, text: str, finish, logprobs,
-                     is_first: bool, state: dict):
+    def _tool_chunks(
+        t: Translated,
+        response_id: str,
+        created: int,
+        index: int,
+        text: str,
+        finish,
+        logprobs,
+        is_first: bool,
+        state: dict,
+    ):
         """A sample's chunks when tools are on: content and tool-call deltas (tools.py), the
         first naming the role, the last carrying the finish_reason (tool_calls when it called)."""
         deltas, finish = t.tools.stream_deltas(state, index, text, finish)
@@ -252,8 +302,9 @@ class Gateway:
             deltas = deltas or [{}]
         for j, delta in enumerate(deltas):
             last = j == len(deltas) - 1
-            yield delta_chunk_json(t, response_id, created, index, delta, finish if last else None,
-                                   logprobs if j == 0 else None)
+            yield delta_chunk_json(
+                t, response_id, created, index, delta, finish if last else None, logprobs if j == 0 else None
+            )
 
 
 async def _all_or_none(awaitables):
@@ -319,7 +370,14 @@ def create_app(config: GatewayConfig) -> Starlette:
     middleware = []
     if config.allowed_origins:
         # Browsers call from these origins; credentials stay off (the Authorization header still passes).
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                                     allow_headers=["*"], expose_headers=["x-request-id"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["x-request-id"],
+            )
+        )
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=gw.lifespan)

@@ -2,6 +2,7 @@
 
 Precedence as for the services: command-line flag > PAGEDSERVE_<FLAG> > default.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,12 +49,19 @@ def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path for the HTTP API.")
     p.add_argument("--scheduler", default=d.scheduler, help="The scheduler's public gRPC HOST:PORT or unix:///path.")
     p.add_argument("--scheduler-tls-ca", default=d.scheduler_tls_ca, help="CA bundle to verify a TLS scheduler.")
-    p.add_argument("--served-model-name", default=d.served_model_name, help="Model id to list; default: the scheduler's.")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds open requests get on SIGTERM.")
+    p.add_argument(
+        "--served-model-name", default=d.served_model_name, help="Model id to list; default: the scheduler's."
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds open requests get on SIGTERM."
+    )
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--allowed-origins", default="", help="Comma-separated origins browsers may call from (CORS), or *.")
-    p.add_argument("--metrics-upstream", default="",
-                   help="Comma-separated HOST:PORT of the scheduler's (and executor's) /metrics, served at /metrics.")
+    p.add_argument(
+        "--metrics-upstream",
+        default="",
+        help="Comma-separated HOST:PORT of the scheduler's (and executor's) /metrics, served at /metrics.",
+    )
     return p
 
 
@@ -63,9 +71,14 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     a = p.parse_args(argv)
     try:
         return GatewayConfig(
-            listen=a.listen, scheduler=a.scheduler, scheduler_tls_ca=a.scheduler_tls_ca,
-            served_model_name=a.served_model_name, drain_timeout_s=a.drain_timeout, log_level=a.log_level,
-            allowed_origins=_split(a.allowed_origins), metrics_upstream=_split(a.metrics_upstream),
+            listen=a.listen,
+            scheduler=a.scheduler,
+            scheduler_tls_ca=a.scheduler_tls_ca,
+            served_model_name=a.served_model_name,
+            drain_timeout_s=a.drain_timeout,
+            log_level=a.log_level,
+            allowed_origins=_split(a.allowed_origins),
+            metrics_upstream=_split(a.metrics_upstream),
         )
     except ValueError as e:
         p.error(str(e))

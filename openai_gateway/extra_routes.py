@@ -10,6 +10,7 @@ and the executor, which serve them on their --metrics-listen ports; /metrics
 fetches those pages and serves them together, so a Prometheus that can reach
 only the HTTP port (as with vLLM) scrapes everything there.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,9 @@ async def tokenize(gw, request: Request, body: dict, md: tuple) -> Response:
         info = await gw.client.model_info(metadata=md)
     except grpc.RpcError as e:
         raise from_grpc(e, {"prompt.chat": "messages", "text": "prompt"}) from e
-    return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len_tokens, "tokens": ids, "token_strs": None})
+    return JSONResponse(
+        {"count": len(ids), "max_model_len": info.max_model_len_tokens, "tokens": ids, "token_strs": None}
+    )
 
 
 async def detokenize(gw, request: Request, body: dict, md: tuple) -> Response:
@@ -67,8 +70,12 @@ async def detokenize(gw, request: Request, body: dict, md: tuple) -> Response:
 
 async def metrics(upstream: tuple[str, ...]) -> Response:
     if not upstream:
-        raise APIError(404, "metrics are not configured: start the gateway with --metrics-upstream "
-                            "(pagedserve serve does)", None, "not_found")
+        raise APIError(
+            404,
+            "metrics are not configured: start the gateway with --metrics-upstream (pagedserve serve does)",
+            None,
+            "not_found",
+        )
 
     def fetch(address: str) -> str:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:

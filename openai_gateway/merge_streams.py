@@ -1,4 +1,5 @@
 """Several Generate streams as one: a completions request with a list of prompts streams them all."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,9 @@ from collections.abc import AsyncIterator
 from pagedserve_client import Completion
 
 
-async def merge_streams(streams: list[tuple[Completion, AsyncIterator[Completion]]]) -> AsyncIterator[tuple[int, Completion]]:
+async def merge_streams(
+    streams: list[tuple[Completion, AsyncIterator[Completion]]],
+) -> AsyncIterator[tuple[int, Completion]]:
     """(stream index, message) from several Generate streams as they arrive; each stream's
     first message is already read. Leaving early closes (cancels) every stream."""
     if len(streams) == 1:  # the common case, without tasks

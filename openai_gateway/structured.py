@@ -12,6 +12,7 @@ property to be listed in `required` and additionalProperties false; with
 strict false we enforce what the schema says all the same). The scheduler
 compiles the constraint and answers a bad one with the compiler's message.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,12 +84,17 @@ def output_constraint(body: Mapping) -> tuple[pb.OutputConstraint | None, str | 
             found.append((name, _guided(name, body[name])))
     so = body.get("structured_outputs")
     if so is not None:
-        keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None] \
-            if isinstance(so, dict) else []
+        keys = (
+            [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) is not None]
+            if isinstance(so, dict)
+            else []
+        )
         if len(keys) != 1:
             raise ParamError("structured_outputs", "expected exactly one of json, regex, choice, grammar, json_object")
         key = keys[0]
-        constraint = pb.OutputConstraint(json_object=True) if key == "json_object" else _guided(f"guided_{key}", so[key])
+        constraint = (
+            pb.OutputConstraint(json_object=True) if key == "json_object" else _guided(f"guided_{key}", so[key])
+        )
         found.append(("structured_outputs", constraint))
     if len(found) > 1:
         raise ParamError(found[1][0], f"only one structured-output parameter per request (also got {found[0][0]})")

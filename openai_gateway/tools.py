@@ -14,6 +14,7 @@ are read back is a `ToolFormat`, chosen per chat template (`FORMATS`); the one
 here is Hermes' (NousResearch Hermes 2 Pro, also SmolLM2's function-calling
 prompt): a <tools> block in the system turn and <tool_call> JSON blocks.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,12 +61,14 @@ class HermesFormat:
 
     def system_prompt(self, tools: list[dict]) -> str:
         listing = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools)
-        return ("You are a function calling AI model. You are provided with function signatures within <tools></tools> "
-                "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
-                f"about what values to plug into functions. Here are the available tools:\n<tools>\n{listing}\n</tools>\n"
-                "For each function call return a JSON object with the function name and arguments within "
-                "<tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-dict>}\n</tool_call>')
+        return (
+            "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+            "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+            f"about what values to plug into functions. Here are the available tools:\n<tools>\n{listing}\n</tools>\n"
+            "For each function call return a JSON object with the function name and arguments within "
+            "<tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-dict>}\n</tool_call>'
+        )
 
     def render(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """Chat turns the template can render: the tools prompt merged into the system turn,
@@ -74,8 +77,11 @@ class HermesFormat:
         for m in messages:
             content = m["content"]
             if m["role"] == "assistant" and m.get("tool_calls"):
-                blocks = [f"{self.OPEN}\n{json.dumps({'name': c.name, 'arguments': _loads_or_raw(c.arguments)}, ensure_ascii=False)}"
-                          f"\n{self.CLOSE}" for c in m["tool_calls"]]
+                blocks = [
+                    f"{self.OPEN}\n{json.dumps({'name': c.name, 'arguments': _loads_or_raw(c.arguments)}, ensure_ascii=False)}"
+                    f"\n{self.CLOSE}"
+                    for c in m["tool_calls"]
+                ]
                 content = "\n".join(([content] if content else []) + blocks)
             elif m["role"] == "tool":
                 content = f"<tool_response>\n{content}\n</tool_response>"
@@ -131,15 +137,17 @@ class HermesStream:
                 if end < 0:
                     return events
                 events += self._block(self.buf[:end])
-                self.buf, self.in_call = self.buf[end + len(close):], False
+                self.buf, self.in_call = self.buf[end + len(close) :], False
                 continue
             start = self.buf.find(open_)
             if start >= 0:
                 events += self._content(self.buf[:start])
-                self.buf, self.in_call = self.buf[start + len(open_):], True
+                self.buf, self.in_call = self.buf[start + len(open_) :], True
                 continue
-            keep = next((k for k in range(min(len(open_) - 1, len(self.buf)), 0, -1) if open_.startswith(self.buf[-k:])), 0)
-            ready, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            keep = next(
+                (k for k in range(min(len(open_) - 1, len(self.buf)), 0, -1) if open_.startswith(self.buf[-k:])), 0
+            )
+            ready, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
             return events + (self._content(ready) if ready else [])
 
     def _block(self, body: str) -> list:
@@ -186,11 +194,21 @@ class ToolCalling:
             tool = next(t for t in self.tools if t["name"] == self.name)
             return pb.OutputConstraint(json_schema=json.dumps(tool.get("parameters") or {"type": "object"}))
         if self.mode == "required":
-            calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                       "arguments": t.get("parameters") or {"type": "object"}},
-                      "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-            return pb.OutputConstraint(json_schema=json.dumps({"type": "array", "minItems": 1,
-                                                               "items": {"anyOf": calls}}))
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t["name"]},
+                        "arguments": t.get("parameters") or {"type": "object"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools
+            ]
+            return pb.OutputConstraint(
+                json_schema=json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+            )
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
@@ -244,8 +262,13 @@ def _call_deltas(calls: list[Call], first_index: int) -> list[dict]:
     """OpenAI's streamed call: a delta naming it (id, type, name, empty arguments), then its arguments."""
     out = []
     for i, call in enumerate(calls, first_index):
-        out.append({"tool_calls": [{"index": i, "id": _call_id(), "type": "function",
-                                    "function": {"name": call.name, "arguments": ""}}]})
+        out.append(
+            {
+                "tool_calls": [
+                    {"index": i, "id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}
+                ]
+            }
+        )
         out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
     return out
 
@@ -259,7 +282,9 @@ def tool_calling(body: Mapping) -> ToolCalling | None:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ParamError(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+            raise ParamError(
+                f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+            )
         if not isinstance(fn.get("parameters", {}), dict):
             raise ParamError(f"tools[{i}].function.parameters", "expected a JSON Schema object")
         functions.append(fn)
@@ -274,7 +299,9 @@ def tool_calling(body: Mapping) -> ToolCalling | None:
         return ToolCalling(choice, functions)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
-        raise ParamError("tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        raise ParamError(
+            "tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     if name not in {f["name"] for f in functions}:
         raise ParamError("tool_choice", f"no tool named {name!r} in tools")
     return ToolCalling("named", functions, name)
@@ -285,7 +312,13 @@ def assistant_tool_calls(i: int, m: Mapping) -> list[Call]:
     calls = []
     for j, c in enumerate(m.get("tool_calls") or []):
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", "{}"), str):
-            raise ParamError(f"messages[{i}].tool_calls[{j}]", 'expected {"function": {"name": ..., "arguments": "..."}}')
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", "{}"), str)
+        ):
+            raise ParamError(
+                f"messages[{i}].tool_calls[{j}]", 'expected {"function": {"name": ..., "arguments": "..."}}'
+            )
         calls.append(Call(fn["name"], fn.get("arguments") or "{}"))
     return calls

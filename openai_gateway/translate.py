@@ -11,6 +11,7 @@ answers 404 for any other name (app.py checks it), and responses echo the
 caller's value. A completions request may carry a list of prompts: each is its
 own `Generate` call, and its samples are choices p*n .. p*n+n-1.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -32,7 +33,9 @@ _MAX_TOKENS = (1, 2**32 - 1)
 class APIError(Exception):
     """Sent back as OpenAI's `{"error": {...}}` body with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -62,7 +65,9 @@ def from_grpc(err: PagedServeError, renames: Mapping[str, str]) -> APIError:
     violation = err.field_violations[0] if err.field_violations else None
     if violation is None:
         return APIError(status, err.details() or err.code().name, None, code, type_)
-    param = next((name + violation.field[len(p):] for p, name in renames.items() if violation.field.startswith(p)), None)
+    param = next(
+        (name + violation.field[len(p) :] for p, name in renames.items() if violation.field.startswith(p)), None
+    )
     param = param or violation.field.removeprefix("sampling.").removeprefix("stopping.")
     return APIError(status, f"{param}: {violation.description}", param, code, type_)
 
@@ -112,7 +117,11 @@ def _int(body, name, bounds):
 
 
 def _token_ids(value) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value)
+    ):
         return value
     return None
 
@@ -137,11 +146,18 @@ def _common(body: Mapping) -> tuple[dict, bool, bool]:
     if not isinstance(body.get("model"), str):
         raise _bad("model", "required: the model's name (any string; this server serves one model)")
     kwargs = dict(
-        temperature=_num(body, "temperature"), top_p=_num(body, "top_p"), min_p=_num(body, "min_p"),
-        presence_penalty=_num(body, "presence_penalty"), frequency_penalty=_num(body, "frequency_penalty"),
-        repetition_penalty=_num(body, "repetition_penalty"), top_k=_int(body, "top_k", _INT32),
-        n=_int(body, "n", _UINT32), seed=_int(body, "seed", _UINT64), min_tokens=_int(body, "min_tokens", _UINT32),
-        ignore_eos=_typed(body, "ignore_eos", bool, "a boolean"), stop=_stop(body),
+        temperature=_num(body, "temperature"),
+        top_p=_num(body, "top_p"),
+        min_p=_num(body, "min_p"),
+        presence_penalty=_num(body, "presence_penalty"),
+        frequency_penalty=_num(body, "frequency_penalty"),
+        repetition_penalty=_num(body, "repetition_penalty"),
+        top_k=_int(body, "top_k", _INT32),
+        n=_int(body, "n", _UINT32),
+        seed=_int(body, "seed", _UINT64),
+        min_tokens=_int(body, "min_tokens", _UINT32),
+        ignore_eos=_typed(body, "ignore_eos", bool, "a boolean"),
+        stop=_stop(body),
         include_stop_str_in_output=_typed(body, "include_stop_str_in_output", bool, "a boolean"),
         priority=_int(body, "priority", _INT32) or 0,
     )
@@ -169,9 +185,17 @@ def _prompts(value) -> list[dict]:
     raise _bad("prompt", "expected a string, a non-empty list of token ids, or a non-empty list of either")
 
 
-_CONSTRAINT_FIELDS = ("constraint.json_schema", "constraint.json_object", "constraint.regex", "constraint.choice.choices",
-                      "constraint.choice", "constraint.grammar.source", "constraint.grammar.syntax", "constraint.grammar",
-                      "constraint")
+_CONSTRAINT_FIELDS = (
+    "constraint.json_schema",
+    "constraint.json_object",
+    "constraint.regex",
+    "constraint.choice.choices",
+    "constraint.choice",
+    "constraint.grammar.source",
+    "constraint.grammar.syntax",
+    "constraint.grammar",
+    "constraint",
+)
 
 
 def _constraint(kwargs: dict, renames: dict, constraint: pb.OutputConstraint | None, param: str | None) -> None:
@@ -182,11 +206,13 @@ def _constraint(kwargs: dict, renames: dict, constraint: pb.OutputConstraint | N
 
 def _param_errors(translate):
     """Turns the helper modules' ParamError into the 400 APIError."""
+
     def wrapped(body: Mapping) -> Translated:
         try:
             return translate(body)
         except structured.ParamError as e:
             raise _bad(e.param, e.message) from None
+
     wrapped.__doc__ = translate.__doc__
     return wrapped
 
@@ -209,8 +235,17 @@ def completion_request(body: Mapping) -> Translated:
         raise _bad("best_of", "only best_of == n is supported")
     renames = {"prompt.token_ids.ids": "prompt", "prompt.token_ids": "prompt", "prompt.text": "prompt"}
     _constraint(kwargs, renames, *structured.output_constraint(body))
-    return Translated(COMPLETION, body["model"], prompts, kwargs, stream, include_usage, kwargs["logprobs"] is not None,
-                      renames, echo=echo)
+    return Translated(
+        COMPLETION,
+        body["model"],
+        prompts,
+        kwargs,
+        stream,
+        include_usage,
+        kwargs["logprobs"] is not None,
+        renames,
+        echo=echo,
+    )
 
 
 def _message(i: int, m) -> dict:
@@ -253,17 +288,24 @@ def chat_request(body: Mapping) -> Translated:
         raise _bad("top_logprobs", "needs logprobs: true")
     kwargs["logprobs"] = (top or 0) if want_logprobs else None
     _unsupported(body, "functions", (None, []))
-    renames = {"prompt.chat.messages": "messages", "prompt.chat": "messages", "prompt": "messages",
-               "sampling.logprobs": "top_logprobs", "stopping.max_tokens": max_name}
+    renames = {
+        "prompt.chat.messages": "messages",
+        "prompt.chat": "messages",
+        "prompt": "messages",
+        "sampling.logprobs": "top_logprobs",
+        "stopping.max_tokens": max_name,
+    }
     constraint, param = structured.output_constraint(body)
     tool_constraint = tools.constraint() if tools is not None else None
     if tool_constraint is not None:
         if constraint is not None:
-            raise _bad(param, f"cannot be combined with tool_choice {body.get('tool_choice')!r}, which constrains the output itself")
+            raise _bad(
+                param,
+                f"cannot be combined with tool_choice {body.get('tool_choice')!r}, which constrains the output itself",
+            )
         constraint, param = tool_constraint, "tools"
     _constraint(kwargs, renames, constraint, param)
     return Translated(CHAT, body["model"], prompts, kwargs, stream, include_usage, want_logprobs, renames, tools=tools)
-
 
 
 def logprob_token_ids(logprobs) -> set[int]:
@@ -275,10 +317,14 @@ def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0)
     """OpenAI's logprobs object. Completions' `text_offset` counts characters from `offset`
     (the sample's text length before these tokens); its top_logprobs include the sampled token."""
     if kind == CHAT:
+
         def entry(token_id, logprob):
             return {"token": text[token_id], "logprob": logprob, "bytes": list(text[token_id].encode())}
-        content = [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
-                   for lp in logprobs]
+
+        content = [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+            for lp in logprobs
+        ]
         return {"content": content, "refusal": None}
     offsets = []
     for lp in logprobs:
@@ -287,7 +333,9 @@ def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0)
     return {
         "tokens": [text[lp.token_id] for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{**{text[t.token_id]: t.logprob for t in lp.top}, text[lp.token_id]: lp.logprob} for lp in logprobs],
+        "top_logprobs": [
+            {**{text[t.token_id]: t.logprob for t in lp.top}, text[lp.token_id]: lp.logprob} for lp in logprobs
+        ],
         "text_offset": offsets,
     }
 
@@ -296,12 +344,22 @@ def usage_json(groups: list[list[Completion]]) -> dict:
     """One group of samples per prompt: the samples of a prompt share it (and its cache hits); outputs add up."""
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(s.completion_tokens for g in groups for s in g)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_prompt_tokens for g in groups)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_prompt_tokens for g in groups)},
+    }
 
 
-def response_json(t: Translated, response_id: str, created: int, groups: list[list[Completion]],
-                  logprobs: list[dict | None], echoes: list[str]) -> dict:
+def response_json(
+    t: Translated,
+    response_id: str,
+    created: int,
+    groups: list[list[Completion]],
+    logprobs: list[dict | None],
+    echoes: list[str],
+) -> dict:
     """The whole non-streaming response; `logprobs[i]` is choice i's logprobs object (or None),
     `echoes[p]` the text that prompt p's choices start with."""
     choices = []
@@ -316,31 +374,63 @@ def response_json(t: Translated, response_id: str, created: int, groups: list[li
         else:
             body = {"message": {"role": "assistant", "content": s.text}}
         choices.append({"index": i, **body, "logprobs": lp, "finish_reason": finish})
-    return {"id": response_id, "object": t.kind, "created": created, "model": t.model, "choices": choices,
-            "usage": usage_json(groups)}
+    return {
+        "id": response_id,
+        "object": t.kind,
+        "created": created,
+        "model": t.model,
+        "choices": choices,
+        "usage": usage_json(groups),
+    }
 
 
-def chunk_json(t: Translated, response_id: str, created: int, index: int, text: str, finish: str | None,
-               logprobs: dict | None, first: bool) -> dict:
+def chunk_json(
+    t: Translated,
+    response_id: str,
+    created: int,
+    index: int,
+    text: str,
+    finish: str | None,
+    logprobs: dict | None,
+    first: bool,
+) -> dict:
     """One streamed chunk for one sample; a chat sample's `first` chunk also names the role."""
     if t.kind == COMPLETION:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     else:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
-            "created": created, "model": t.model, "choices": [choice], **({"usage": None} if t.include_usage else {})}
+    return {
+        "id": response_id,
+        "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
+        "created": created,
+        "model": t.model,
+        "choices": [choice],
+        **({"usage": None} if t.include_usage else {}),
+    }
 
 
-def delta_chunk_json(t: Translated, response_id: str, created: int, index: int, delta: dict, finish: str | None,
-                     logprobs: dict | None) -> dict:
+def delta_chunk_json(
+    t: Translated, response_id: str, created: int, index: int, delta: dict, finish: str | None, logprobs: dict | None
+) -> dict:
     """A chat chunk with a prepared delta (tool calls)."""
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": t.model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            **({"usage": None} if t.include_usage else {})}
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": t.model,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        **({"usage": None} if t.include_usage else {}),
+    }
 
 
 def usage_chunk_json(t: Translated, response_id: str, created: int, groups: list[list[Completion]]) -> dict:
     """The last chunk when stream_options.include_usage: no choices, the whole request's usage."""
-    return {"id": response_id, "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
-            "created": created, "model": t.model, "choices": [], "usage": usage_json(groups)}
+    return {
+        "id": response_id,
+        "object": t.kind if t.kind == COMPLETION else "chat.completion.chunk",
+        "created": created,
+        "model": t.model,
+        "choices": [],
+        "usage": usage_json(groups),
+    }

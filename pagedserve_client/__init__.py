@@ -1,4 +1,5 @@
 """Python client for the PagedServe gRPC API (sync and asyncio). Needs no torch."""
+
 from pagedserve_client.client import AsyncClient, Client, GenerateStream, build_request
 from pagedserve_client.errors import (
     AuthenticationError,
@@ -13,7 +14,20 @@ from pagedserve_client.errors import (
 from pagedserve_client.results import Completion, TokenLogprob, TopLogprob, Usage
 
 __all__ = [
-    "AsyncClient", "AuthenticationError", "BadRequestError", "Client", "Completion", "ConflictError",
-    "DeadlineExceededError", "FieldViolation", "GenerateStream", "PagedServeError", "ResourceExhaustedError",
-    "TokenLogprob", "TopLogprob", "UnavailableError", "Usage", "build_request",
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "Client",
+    "Completion",
+    "ConflictError",
+    "DeadlineExceededError",
+    "FieldViolation",
+    "GenerateStream",
+    "PagedServeError",
+    "ResourceExhaustedError",
+    "TokenLogprob",
+    "TopLogprob",
+    "UnavailableError",
+    "Usage",
+    "build_request",
 ]

@@ -9,6 +9,7 @@
 Everything but `serve` is a client and needs no torch; `serve` imports the
 server side (shared/launch.py) only when asked for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,13 +53,19 @@ def main(argv=None) -> int:
         return serve(argv[1:])
     p = argparse.ArgumentParser(prog="pagedserve", description="PagedServe: serve a model, or talk to a server.")
     p.add_argument("--version", action="version", version=f"pagedserve {version()}")
-    p.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", "127.0.0.1:50051"), help="Scheduler address [env PAGEDSERVE_TARGET].")
+    p.add_argument(
+        "--target",
+        default=os.environ.get("PAGEDSERVE_TARGET", "127.0.0.1:50051"),
+        help="Scheduler address [env PAGEDSERVE_TARGET].",
+    )
     p.add_argument("--token", default=os.environ.get("PAGEDSERVE_TOKEN"), help="Bearer token [env PAGEDSERVE_TOKEN].")
     p.add_argument("--tls-ca", default=None, help="CA bundle to verify a TLS server.")
     p.add_argument("--tls-cert", default=None, help="Client certificate (PEM) for mutual TLS; needs --tls-key.")
     p.add_argument("--tls-key", default=None, help="Client private key (PEM) for mutual TLS.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("serve", help="Start executor, scheduler and OpenAI gateway (pagedserve serve --help).", add_help=False)
+    sub.add_parser(
+        "serve", help="Start executor, scheduler and OpenAI gateway (pagedserve serve --help).", add_help=False
+    )
     g = sub.add_parser("generate", help="Stream a completion.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="Send the prompt as one user message through the chat template.")
@@ -87,8 +94,15 @@ def main(argv=None) -> int:
             if a.cmd == "generate":
                 prompt = dict(messages=[{"role": "user", "content": a.prompt}]) if a.chat else dict(prompt=a.prompt)
                 usage = None
-                for msg in c.generate(**prompt, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                                      top_k=a.top_k, seed=a.seed, stop=a.stop):
+                for msg in c.generate(
+                    **prompt,
+                    max_tokens=a.max_tokens,
+                    temperature=a.temperature,
+                    top_p=a.top_p,
+                    top_k=a.top_k,
+                    seed=a.seed,
+                    stop=a.stop,
+                ):
                     if a.json:
                         print(json.dumps(dataclasses.asdict(msg)))
                     else:
@@ -96,8 +110,11 @@ def main(argv=None) -> int:
                     if msg.usage is not None:
                         usage = msg.usage
                 if not a.json and usage is not None:
-                    print(f"\n[{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
-                          f"{usage.completion_tokens} generated]", file=sys.stderr)
+                    print(
+                        f"\n[{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
+                        f"{usage.completion_tokens} generated]",
+                        file=sys.stderr,
+                    )
             elif a.cmd == "status":
                 print(json.dumps(MessageToDict(c.server_status(), always_print_fields_with_no_presence=True), indent=2))
             elif a.cmd == "model":

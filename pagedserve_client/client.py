@@ -1,10 +1,11 @@
 """A small client for `pagedserve.v1.Generation`, sync and asyncio.
 
-    from pagedserve_client import Client
-    with Client("127.0.0.1:50051") as c:
-        for msg in c.generate("Why is the sky blue?", max_tokens=64):
-            print(msg.text, end="", flush=True)
+from pagedserve_client import Client
+with Client("127.0.0.1:50051") as c:
+    for msg in c.generate("Why is the sky blue?", max_tokens=64):
+        print(msg.text, end="", flush=True)
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,15 +19,34 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from pagedserve_client.errors import from_rpc_error
 from pagedserve_client.results import Completion
 
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "logprobs", "n")
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "n",
+)
 _STOPPING = ("max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output")
 
 
-def build_request(prompt: str | None = None, *, token_ids=None, messages=None, request_id: str = "",
-                  stop: str | list[str] | tuple[str, ...] | None = (), stop_token_ids=(), priority: int = 0,
-                  constraint: pb.OutputConstraint | None = None, logit_bias: dict[int, float] | None = None,
-                  **kwargs) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids=None,
+    messages=None,
+    request_id: str = "",
+    stop: str | list[str] | tuple[str, ...] | None = (),
+    stop_token_ids=(),
+    priority: int = 0,
+    constraint: pb.OutputConstraint | None = None,
+    logit_bias: dict[int, float] | None = None,
+    **kwargs,
+) -> pb.GenerateRequest:
     """One of prompt / token_ids / messages ([{"role":..., "content":...}]), plus sampling and stopping kwargs,
     an optional structured-output constraint and a {token id: bias} logit_bias.
     `stop` is one stop string or a list of them (as in OpenAI's API)."""
@@ -63,6 +83,7 @@ def build_request(prompt: str | None = None, *, token_ids=None, messages=None, r
 def _typed_errors(method):
     """Raises a `PagedServeError` (errors.py) in place of grpc's raw call error."""
     if inspect.iscoroutinefunction(method):
+
         @functools.wraps(method)
         async def wrapper(*args, **kwargs):
             try:
@@ -70,12 +91,14 @@ def _typed_errors(method):
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
     else:
+
         @functools.wraps(method)
         def wrapper(*args, **kwargs):
             try:
                 return method(*args, **kwargs)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
+
     return wrapper
 
 
@@ -92,8 +115,9 @@ def _credentials(tls_ca: str | None, tls_cert: str | None = None, tls_key: str |
         raise ValueError("tls_cert and tls_key go together")
     if tls_ca is None and tls_cert is None:
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
-                                        certificate_chain=_read(tls_cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert)
+    )
 
 
 def _metadata(token: str | None):
@@ -139,8 +163,15 @@ class GenerateStream:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         creds = _credentials(tls_ca, tls_cert, tls_key)
         self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
@@ -173,7 +204,9 @@ class Client:
 
     @_typed_errors
     def server_status(self, include_requests: bool = False) -> pb.ServerStatus:
-        return self._stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md)
+        return self._stub.GetServerStatus(
+            pb.GetServerStatusRequest(include_requests=include_requests), metadata=self._md
+        )
 
     @_typed_errors
     def health(self, service: str = "", timeout: float | None = None) -> int:
@@ -197,17 +230,32 @@ class AsyncClient:
     """Every call takes `metadata`: extra (key, value) pairs sent with that call only, after the
     client's own (a gateway passes each caller's `authorization` this way; then give the client no token)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, options: tuple = ()):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        options: tuple = (),
+    ):
         """`options`: grpc channel arguments, e.g. (("grpc.max_reconnect_backoff_ms", 2000),)."""
         creds = _credentials(tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.aio.secure_channel(target, creds, options=options) if creds
-                         else grpc.aio.insecure_channel(target, options=options))
+        self._channel = (
+            grpc.aio.secure_channel(target, creds, options=options)
+            if creds
+            else grpc.aio.insecure_channel(target, options=options)
+        )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._md = _metadata(token)
 
-    async def generate(self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs) -> AsyncIterator[Completion]:
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._md + tuple(metadata))
+    async def generate(
+        self, prompt=None, *, timeout: float | None = None, metadata=(), **kwargs
+    ) -> AsyncIterator[Completion]:
+        call = self._stub.Generate(
+            build_request(prompt, **kwargs), timeout=timeout, metadata=self._md + tuple(metadata)
+        )
         try:
             async for msg in call:
                 yield Completion.from_proto(msg)
@@ -225,11 +273,14 @@ class AsyncClient:
         return [out[i] for i in sorted(out)]
 
     @_typed_errors
-    async def tokenize(self, text: str | None = None, add_special_tokens: bool = True, *, messages=None,
-                       metadata=()) -> list[int]:
+    async def tokenize(
+        self, text: str | None = None, add_special_tokens: bool = True, *, messages=None, metadata=()
+    ) -> list[int]:
         """The token ids of `text`, or of `messages` rendered through the chat template."""
         if messages is not None:
-            req = pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+            req = pb.TokenizeRequest(
+                chat=pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+            )
         else:
             req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list((await self._stub.Tokenize(req, metadata=self._md + tuple(metadata))).token_ids)

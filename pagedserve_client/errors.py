@@ -11,6 +11,7 @@ details the scheduler attaches:
         e.code()                # grpc.StatusCode.INVALID_ARGUMENT
         e.field_violations      # (FieldViolation(field='sampling.temperature', description='...'),)
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -5,6 +5,7 @@ the sample's previous message); `Client.complete` returns one per sample with
 everything added up. `finish_reason` is a string in both ("stop", "length",
 "abort"), None until the sample's last message; `usage` likewise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,9 +49,16 @@ class Completion:
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Completion:
-        out = cls(index=msg.index, text=msg.text, token_ids=list(msg.token_ids), request_id=msg.request_id,
-                  logprobs=[TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
-                            for lp in msg.logprobs])
+        out = cls(
+            index=msg.index,
+            text=msg.text,
+            token_ids=list(msg.token_ids),
+            request_id=msg.request_id,
+            logprobs=[
+                TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
+                for lp in msg.logprobs
+            ],
+        )
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             out.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
             u = msg.usage

@@ -1,4 +1,5 @@
 """`python -m scheduler_svc`: the public API in front of one executor. Torch-free."""
+
 from __future__ import annotations
 
 import asyncio

@@ -16,6 +16,7 @@ never handed out and never enters the free queue.
 The free queue is in eviction order: get_new_blocks pops from the head
 (least recently freed first), free_blocks appends at the tail.
 """
+
 from __future__ import annotations
 
 import functools

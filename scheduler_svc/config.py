@@ -1,4 +1,5 @@
 """The scheduler's configuration: parsed once in `main`, frozen, validated."""
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,9 @@ class SchedulerServiceConfig:
         if self.log_stats_interval_s < 0:
             raise ValueError(f"--log-stats-interval must be >= 0, got {self.log_stats_interval_s}")
         if self.grammar_compile_timeout_s <= 0 or self.grammar_compile_workers < 1 or self.grammar_cache_size < 1:
-            raise ValueError("--grammar-compile-timeout must be > 0, --grammar-compile-workers and "
-                             "--grammar-cache-size >= 1")
+            raise ValueError(
+                "--grammar-compile-timeout must be > 0, --grammar-compile-workers and --grammar-cache-size >= 1"
+            )
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
@@ -91,7 +93,9 @@ def _read_lines(path: str, flag: str) -> list[tuple[int, str]]:
         with open(path, encoding="utf-8") as f:
             lines = [(n, line.strip()) for n, line in enumerate(f, 1)]
     except (OSError, UnicodeDecodeError) as e:
-        raise TokenFileError(f"{flag} {path}: cannot read it ({e.__class__.__name__}: {getattr(e, 'strerror', None) or e})") from e
+        raise TokenFileError(
+            f"{flag} {path}: cannot read it ({e.__class__.__name__}: {getattr(e, 'strerror', None) or e})"
+        ) from e
     lines = [(n, line) for n, line in lines if line and not line.startswith("#")]
     if not lines:
         raise TokenFileError(f"{flag} {path}: the file holds no token; refusing to start")
@@ -124,56 +128,124 @@ def read_executor_token(path: str) -> str:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = EnvArgumentParser(prog="python -m scheduler_svc", description="PagedServe scheduler: public gRPC API, admission, paged KV block tables, continuous batching.", environ=environ)
+    p = EnvArgumentParser(
+        prog="python -m scheduler_svc",
+        description="PagedServe scheduler: public gRPC API, admission, paged KV block tables, continuous batching.",
+        environ=environ,
+    )
     d = SchedulerServiceConfig
     p.add_argument("--listen", default=d.listen, help="HOST:PORT or unix:///path for the public Generation API.")
     p.add_argument("--executor", default=d.executor, help="The executor's HOST:PORT or unix:///path.")
     p.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV block.")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="Most requests in one step.")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="Most tokens in one step.")
-    p.add_argument("--watermark", type=float, default=d.watermark, help="Fraction of KV blocks kept free when admitting.")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="Most tokens in one step."
+    )
+    p.add_argument(
+        "--watermark", type=float, default=d.watermark, help="Fraction of KV blocks kept free when admitting."
+    )
     p.add_argument("--no-prefix-caching", action="store_true", default=False, help="Disable the prefix cache.")
-    p.add_argument("--no-chunked-prefill", action="store_true", default=False, help="Never split a prompt across steps.")
-    p.add_argument("--no-overlap-scheduling", action="store_true", default=False,
-                   help="Plan each step only after the previous one's result (else the next plan is made and sent while a step runs).")
+    p.add_argument(
+        "--no-chunked-prefill", action="store_true", default=False, help="Never split a prompt across steps."
+    )
+    p.add_argument(
+        "--no-overlap-scheduling",
+        action="store_true",
+        default=False,
+        help="Plan each step only after the previous one's result (else the next plan is made and sent while a step runs).",
+    )
     p.add_argument("--hash-algo", default=d.hash_algo, choices=("sha256", "blake2b"), help="Prefix-cache block hash.")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="Queue limit; beyond it RESOURCE_EXHAUSTED.")
     p.add_argument("--max-n", type=int, default=d.max_n, help="Largest n (samples per request).")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
     p.add_argument("--max-stop-string-bytes", type=int, default=d.max_stop_string_bytes)
-    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="Largest accepted request message.")
-    p.add_argument("--executor-recovery-timeout", type=float, default=d.executor_recovery_timeout_s, help="Seconds clients wait for a lost executor before UNAVAILABLE.")
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
-                   help="Seconds a step may go unanswered before the executor counts as lost (hung); size it above the slowest legitimate step.")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds in-flight requests get on SIGTERM.")
-    p.add_argument("--executor-auth-token-file", default="",
-                   help="File with the executor's secret. Without it, this installation's secret in --secret-dir is used.")
+    p.add_argument(
+        "--max-message-bytes", type=int, default=d.max_message_bytes, help="Largest accepted request message."
+    )
+    p.add_argument(
+        "--executor-recovery-timeout",
+        type=float,
+        default=d.executor_recovery_timeout_s,
+        help="Seconds clients wait for a lost executor before UNAVAILABLE.",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=d.step_timeout_s,
+        help="Seconds a step may go unanswered before the executor counts as lost (hung); size it above the slowest legitimate step.",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=d.drain_timeout_s, help="Seconds in-flight requests get on SIGTERM."
+    )
+    p.add_argument(
+        "--executor-auth-token-file",
+        default="",
+        help="File with the executor's secret. Without it, this installation's secret in --secret-dir is used.",
+    )
     p.add_argument("--executor-auth-token", default="", help="The executor's secret (prefer the file).")
-    p.add_argument("--secret-dir", default=d.secret_dir,
-                   help="Private directory (0700) of this installation's executor secret, shared with the executor. "
-                        "Default: $XDG_STATE_HOME/pagedserve (~/.local/state/pagedserve).")
-    p.add_argument("--auth-tokens-file", default="", help="File of accepted bearer tokens: `TOKEN` or `TOKEN admin` per line, # comments (docs/hardening.md).")
+    p.add_argument(
+        "--secret-dir",
+        default=d.secret_dir,
+        help="Private directory (0700) of this installation's executor secret, shared with the executor. "
+        "Default: $XDG_STATE_HOME/pagedserve (~/.local/state/pagedserve).",
+    )
+    p.add_argument(
+        "--auth-tokens-file",
+        default="",
+        help="File of accepted bearer tokens: `TOKEN` or `TOKEN admin` per line, # comments (docs/hardening.md).",
+    )
     p.add_argument("--auth-token", default="", help="One accepted bearer token (prefer the file).")
-    p.add_argument("--allow-special-tokens-in-content", action="store_true", default=False,
-                   help="Let chat message content write control tokens such as <|im_start|> (trusted clients only; else they are text).")
+    p.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        default=False,
+        help="Let chat message content write control tokens such as <|im_start|> (trusted clients only; else they are text).",
+    )
     p.add_argument("--tls-cert", default="", help="PEM certificate chain for the public API.")
     p.add_argument("--tls-key", default="", help="PEM private key for the public API.")
     p.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates (mutual TLS).")
     p.add_argument("--keepalive-time", type=float, default=d.keepalive_time_s, help="Seconds between keepalive pings.")
-    p.add_argument("--max-connection-age", type=float, default=d.max_connection_age_s, help="Seconds before a connection is asked to reconnect (GOAWAY); 0 = never.")
+    p.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=d.max_connection_age_s,
+        help="Seconds before a connection is asked to reconnect (GOAWAY); 0 = never.",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", default=False, help="Force JSON logs even on a terminal.")
     p.add_argument("--metrics-listen", default=d.metrics_listen, help="HOST:PORT for a Prometheus /metrics endpoint.")
-    p.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout_s,
-                   help="Seconds a structured-output constraint may take to compile before the request is refused.")
-    p.add_argument("--grammar-compile-workers", type=int, default=d.grammar_compile_workers,
-                   help="Threads compiling structured-output constraints.")
-    p.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
-                   help="Compiled structured-output constraints kept for reuse (LRU).")
-    p.add_argument("--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards).")
-    p.add_argument("--served-model-name", default=d.served_model_name, help="The metrics' model_name label; default: the model's id.")
-    p.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval_s,
-                   help="Seconds between stats lines (throughput, running/waiting, KV usage, prefix hits); 0 = off.")
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d.grammar_compile_timeout_s,
+        help="Seconds a structured-output constraint may take to compile before the request is refused.",
+    )
+    p.add_argument(
+        "--grammar-compile-workers",
+        type=int,
+        default=d.grammar_compile_workers,
+        help="Threads compiling structured-output constraints.",
+    )
+    p.add_argument(
+        "--grammar-cache-size",
+        type=int,
+        default=d.grammar_cache_size,
+        help="Compiled structured-output constraints kept for reuse (LRU).",
+    )
+    p.add_argument(
+        "--metrics-prefix", default=d.metrics_prefix, help="Metric name prefix (`vllm` for vLLM's dashboards)."
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=d.served_model_name,
+        help="The metrics' model_name label; default: the model's id.",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=d.log_stats_interval_s,
+        help="Seconds between stats lines (throughput, running/waiting, KV usage, prefix hits); 0 = off.",
+    )
     return p
 
 
@@ -182,7 +254,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p = build_parser(environ)
     a = p.parse_args(argv)
     try:
-        executor_token = read_executor_token(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
+        executor_token = (
+            read_executor_token(a.executor_auth_token_file) if a.executor_auth_token_file else a.executor_auth_token
+        )
         tokens, admins = read_auth_tokens(a.auth_tokens_file) if a.auth_tokens_file else ((), ())
     except TokenFileError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")  # one line, no usage text: the flags were fine, the file is not
@@ -194,21 +268,42 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         tokens += (a.auth_token,)
     try:
         return SchedulerServiceConfig(
-            listen=a.listen, executor=a.executor, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens, watermark=a.watermark,
-            enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill,
+            listen=a.listen,
+            executor=a.executor,
+            block_size=a.block_size,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            watermark=a.watermark,
+            enable_prefix_caching=not a.no_prefix_caching,
+            enable_chunked_prefill=not a.no_chunked_prefill,
             overlap_scheduling=not a.no_overlap_scheduling,
-            hash_algo=a.hash_algo, max_waiting=a.max_waiting, max_n=a.max_n, max_stop_strings=a.max_stop_strings,
-            max_stop_string_bytes=a.max_stop_string_bytes, max_message_bytes=a.max_message_bytes,
-            executor_recovery_timeout_s=a.executor_recovery_timeout, step_timeout_s=a.step_timeout,
-            drain_timeout_s=a.drain_timeout, executor_auth_token=executor_token, secret_dir=a.secret_dir,
-            auth_tokens=tokens, admin_tokens=admins,
-            allow_special_tokens_in_content=a.allow_special_tokens_in_content, tls_cert=a.tls_cert, tls_key=a.tls_key,
-            tls_client_ca=a.tls_client_ca, keepalive_time_s=a.keepalive_time, max_connection_age_s=a.max_connection_age,
-            log_level=a.log_level, log_json=True if a.log_json else None, metrics_listen=a.metrics_listen,
-            metrics_prefix=a.metrics_prefix, served_model_name=a.served_model_name,
+            hash_algo=a.hash_algo,
+            max_waiting=a.max_waiting,
+            max_n=a.max_n,
+            max_stop_strings=a.max_stop_strings,
+            max_stop_string_bytes=a.max_stop_string_bytes,
+            max_message_bytes=a.max_message_bytes,
+            executor_recovery_timeout_s=a.executor_recovery_timeout,
+            step_timeout_s=a.step_timeout,
+            drain_timeout_s=a.drain_timeout,
+            executor_auth_token=executor_token,
+            secret_dir=a.secret_dir,
+            auth_tokens=tokens,
+            admin_tokens=admins,
+            allow_special_tokens_in_content=a.allow_special_tokens_in_content,
+            tls_cert=a.tls_cert,
+            tls_key=a.tls_key,
+            tls_client_ca=a.tls_client_ca,
+            keepalive_time_s=a.keepalive_time,
+            max_connection_age_s=a.max_connection_age,
+            log_level=a.log_level,
+            log_json=True if a.log_json else None,
+            metrics_listen=a.metrics_listen,
+            metrics_prefix=a.metrics_prefix,
+            served_model_name=a.served_model_name,
             log_stats_interval_s=a.log_stats_interval,
-            grammar_compile_timeout_s=a.grammar_compile_timeout, grammar_compile_workers=a.grammar_compile_workers,
+            grammar_compile_timeout_s=a.grammar_compile_timeout,
+            grammar_compile_workers=a.grammar_compile_workers,
             grammar_cache_size=a.grammar_cache_size,
         )
     except ValueError as e:

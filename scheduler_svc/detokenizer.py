@@ -28,6 +28,7 @@ few tokens seed the window so the first output token gets that context too.
 When the new text is usable, prefix_offset moves to read_offset and read_offset
 to the end; otherwise both stay and the window grows by the held token(s).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -108,12 +109,12 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return DetokenizerDelta("")
         self._ids.extend(new_token_ids)
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(self._prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token) or an incomplete
             # character: keep the offsets, decode these tokens again next step.
             return DetokenizerDelta("")
-        new_text = full_text[len(self._prefix_text):]
+        new_text = full_text[len(self._prefix_text) :]
         self._advance()
         if not stops_armed:
             text, self._held = self._held + new_text, ""
@@ -125,8 +126,8 @@ class IncrementalDetokenizer:
         held text, including an incomplete trailing character as U+FFFD."""
         if self._finished:
             return ""
-        full_text = self._decode(self._ids[self._prefix_offset:])
-        new_text = full_text[len(self._prefix_text):]
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        new_text = full_text[len(self._prefix_text) :]
         self._advance()
         text = self._release(new_text, final=True).text
         self._finished = True
@@ -135,7 +136,7 @@ class IncrementalDetokenizer:
     def _advance(self) -> None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
 
     def _release(self, new_text: str, final: bool) -> DetokenizerDelta:
         """Emit `new_text` after any held tail, minus what must stay held."""
@@ -153,8 +154,8 @@ class IncrementalDetokenizer:
             self.matched_stop = stop
             return DetokenizerDelta(buf[:cut], stop, stop_truncated=cut < len(buf))
         keep = 0 if final else self._held_tail_len(buf)
-        self._held = buf[len(buf) - keep:]
-        return DetokenizerDelta(buf[:len(buf) - keep])
+        self._held = buf[len(buf) - keep :]
+        return DetokenizerDelta(buf[: len(buf) - keep])
 
     def _find_stop(self, buf: str) -> tuple[int, int, str] | None:
         # The occurrence that ends first is the one a character-by-character
@@ -184,7 +185,7 @@ class IncrementalDetokenizer:
         # mid-character would shift the character alignment of the output.
         n = len(prompt)
         for k in range(min(_CONTEXT_TOKENS, n), min(_MAX_CONTEXT_TOKENS, n) + 1):
-            context = prompt[n - k:]
+            context = prompt[n - k :]
             if REPLACEMENT_CHAR not in self._decode(context):
                 return context
         return []

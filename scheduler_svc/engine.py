@@ -14,6 +14,7 @@ reports a loss (a broken stream, or a hung step) the engine resets all running
 requests to "recompute from scratch" and the link reconnects; clients only see
 a pause. Past the recovery timeout their requests fail with UNAVAILABLE.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,13 +52,22 @@ def scheduler_config_for(cfg, info: ExecutorInfo) -> SchedulerConfig:
     if not cfg.enable_chunked_prefill:
         max_len = min(max_len, cfg.max_num_batched_tokens)
     if max_len < info.max_model_len:
-        log.warning("max_model_len_capped", model_max_len=info.max_model_len, max_model_len=max_len,
-                    reason="KV capacity" if cfg.enable_chunked_prefill else "no chunked prefill")
+        log.warning(
+            "max_model_len_capped",
+            model_max_len=info.max_model_len,
+            max_model_len=max_len,
+            reason="KV capacity" if cfg.enable_chunked_prefill else "no chunked prefill",
+        )
     return SchedulerConfig(
-        block_size=cfg.block_size, num_blocks=info.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-        watermark=cfg.watermark, enable_prefix_caching=cfg.enable_prefix_caching,
-        enable_chunked_prefill=cfg.enable_chunked_prefill, hash_algo=cfg.hash_algo,
+        block_size=cfg.block_size,
+        num_blocks=info.num_kv_blocks,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=max_len,
+        watermark=cfg.watermark,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        hash_algo=cfg.hash_algo,
     )
 
 
@@ -151,8 +161,13 @@ class Engine:
             self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)  # a stop string matched
         if not result.error:
             self.metrics.observe_step(plan.total_num_scheduled_tokens)
-        log.debug("step", step_id=plan.step_id, num_requests=plan.num_requests,
-                  num_tokens=plan.total_num_scheduled_tokens, execute_ms=result.execute_time_ns / 1e6)
+        log.debug(
+            "step",
+            step_id=plan.step_id,
+            num_requests=plan.num_requests,
+            num_tokens=plan.total_num_scheduled_tokens,
+            execute_ms=result.execute_time_ns / 1e6,
+        )
         return bool(result.error)
 
     async def _wait_for_work(self) -> None:
@@ -173,26 +188,48 @@ class Engine:
         """Builds the scheduler's side for the first executor; resizes it for one that came back with other KV capacity."""
         cfg = self.config
         if previous is None:
-            self.tokenizer = Tokenizer.from_info(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token)
+            self.tokenizer = Tokenizer.from_info(
+                info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token
+            )
             config = scheduler_config_for(cfg, info)
             self.max_model_len = config.max_model_len
             self.scheduler = Scheduler(config)
             self.metrics.bind(cfg.served_model_name or model_id(info.model_name))
             self.grammars = GrammarCompiler(
-                info.tokenizer_json, info.vocab_size, list(info.eos_token_ids), workers=cfg.grammar_compile_workers,
-                cache_size=cfg.grammar_cache_size, timeout_s=cfg.grammar_compile_timeout_s)
+                info.tokenizer_json,
+                info.vocab_size,
+                list(info.eos_token_ids),
+                workers=cfg.grammar_compile_workers,
+                cache_size=cfg.grammar_cache_size,
+                timeout_s=cfg.grammar_compile_timeout_s,
+            )
             self.outputs = OutputProcessor(self.metrics)
-            self.intake = Intake(self.scheduler, self.outputs, self.tokenizer, self.grammars, frozenset(info.eos_token_ids),
-                                 cfg.max_waiting)
+            self.intake = Intake(
+                self.scheduler,
+                self.outputs,
+                self.tokenizer,
+                self.grammars,
+                frozenset(info.eos_token_ids),
+                cfg.max_waiting,
+            )
             return
         config = scheduler_config_for(cfg, info)
-        log.warning("executor_capacity_changed", old_blocks=previous.num_kv_blocks, new_blocks=info.num_kv_blocks,
-                    old_max_model_len=self.max_model_len, new_max_model_len=config.max_model_len)
+        log.warning(
+            "executor_capacity_changed",
+            old_blocks=previous.num_kv_blocks,
+            new_blocks=info.num_kv_blocks,
+            old_max_model_len=self.max_model_len,
+            new_max_model_len=config.max_model_len,
+        )
         self.max_model_len = config.max_model_len
         for request in self.scheduler.resize(config):
-            self._fail(request.request_id, f"the executor restarted with less KV memory: this request's "
-                       f"{request.num_tokens} tokens no longer fit the {config.max_model_len} one request "
-                       "can hold", unavailable=True)
+            self._fail(
+                request.request_id,
+                f"the executor restarted with less KV memory: this request's "
+                f"{request.num_tokens} tokens no longer fit the {config.max_model_len} one request "
+                "can hold",
+                unavailable=True,
+            )
 
     async def _recover(self, reason: str) -> None:
         self.link.lost(reason, live_requests=len(self.outputs))
@@ -209,8 +246,13 @@ class Engine:
         """The request's compiled constraint (None if it has none); raises GrammarError. See Intake."""
         return await self.intake.compile_constraint(gen)
 
-    def submit(self, gen: GenerationInput, grammar: CompiledGrammar | None = None,
-               arrival: float | None = None, owner: str = "") -> RequestHandle:
+    def submit(
+        self,
+        gen: GenerationInput,
+        grammar: CompiledGrammar | None = None,
+        arrival: float | None = None,
+        owner: str = "",
+    ) -> RequestHandle:
         if self.draining or not self.connected:
             raise EngineUnavailable("the server is draining" if self.draining else "the executor is unavailable")
         handle = self.intake.submit(gen, grammar, arrival, owner)

@@ -5,6 +5,7 @@ Protobuf stays in this file; the engine sees `ExecutorInfo`, `StepPlan` and
 `ExecutorClient` implements executor_connection.py's `ExecutorConnection`,
 the interface the engine depends on.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -35,7 +36,9 @@ class ExecutorClient:
         self._stub: pb_grpc.ExecutorStub | None = None
         self._call = None
 
-    async def connect(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 5.0) -> ExecutorInfo:
+    async def connect(
+        self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 5.0
+    ) -> ExecutorInfo:
         """Handshakes and opens the Step stream; raises ExecutorLost if unreachable."""
         await self.close()
         self._channel = grpc.aio.insecure_channel(
@@ -68,12 +71,23 @@ class ExecutorClient:
         self._call = self._stub.Step(metadata=self._metadata + (("pagedserve-scheduler-id", self.scheduler_id),))
         m, t = resp.model, resp.tokenizer
         return ExecutorInfo(
-            model_name=m.model_name, architecture=m.architecture, vocab_size=m.vocab_size,
-            eos_token_ids=tuple(m.eos_token_ids), bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
-            max_model_len=m.max_model_len_tokens, dtype=m.dtype, num_kv_blocks=resp.num_kv_blocks,
-            kv_cache_bytes=resp.kv_cache_bytes, instance_id=resp.instance_id, device=resp.device,
-            attention_backend=resp.attention_backend, tokenizer_json=t.tokenizer_json,
-            chat_template=t.chat_template, bos_token=t.bos_token, eos_token=t.eos_token, add_bos_token=t.add_bos_token,
+            model_name=m.model_name,
+            architecture=m.architecture,
+            vocab_size=m.vocab_size,
+            eos_token_ids=tuple(m.eos_token_ids),
+            bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
+            max_model_len=m.max_model_len_tokens,
+            dtype=m.dtype,
+            num_kv_blocks=resp.num_kv_blocks,
+            kv_cache_bytes=resp.kv_cache_bytes,
+            instance_id=resp.instance_id,
+            device=resp.device,
+            attention_backend=resp.attention_backend,
+            tokenizer_json=t.tokenizer_json,
+            chat_template=t.chat_template,
+            bos_token=t.bos_token,
+            eos_token=t.eos_token,
+            add_bos_token=t.add_bos_token,
         )
 
     async def send(self, plan: StepPlan) -> None:
@@ -108,7 +122,11 @@ class ExecutorClient:
         channel = self._channel
         if channel is None:
             return
-        bad = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN, grpc.ChannelConnectivity.IDLE)
+        bad = (
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+            grpc.ChannelConnectivity.SHUTDOWN,
+            grpc.ChannelConnectivity.IDLE,
+        )
         state = channel.get_state()
         while state not in bad:
             await channel.wait_for_state_change(state)

@@ -19,6 +19,7 @@ what to do with requests that waited too long. The link refuses an executor
 that came back serving a different model, since every live request was
 tokenized and validated for the old one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,9 @@ def _model_facts(info: ExecutorInfo) -> tuple:
 class ExecutorLink:
     def __init__(self, client: ExecutorConnection, config):
         self.client = client
-        self._config = config  # block_size, max_num_batched_tokens, max_num_seqs, step_timeout_s, executor_recovery_timeout_s
+        self._config = (
+            config  # block_size, max_num_batched_tokens, max_num_seqs, step_timeout_s, executor_recovery_timeout_s
+        )
         self.info: ExecutorInfo | None = None  # the last handshake's
         self.connected = False
         self._on_connection_change: list[Callable[[bool], None]] = []
@@ -77,8 +80,10 @@ class ExecutorLink:
         elif _model_facts(info) != _model_facts(previous):
             # Requests were tokenized and validated for the old model: restart the scheduler to serve this one.
             await self.client.close()
-            raise ExecutorRefused(f"the executor came back serving a different model ({info.model_name}, vocab "
-                                  f"{info.vocab_size}); restart the scheduler")
+            raise ExecutorRefused(
+                f"the executor came back serving a different model ({info.model_name}, vocab "
+                f"{info.vocab_size}); restart the scheduler"
+            )
         elif (info.num_kv_blocks, info.max_model_len) != (previous.num_kv_blocks, previous.max_model_len):
             # It lost every KV block anyway (reset_for_executor_loss ran): adopt the new capacity.
             try:
@@ -88,7 +93,9 @@ class ExecutorLink:
                 raise ExecutorRefused(f"the executor came back with a KV capacity the scheduler cannot use: {e}") from e
             self.info = info
         self._set_connected(True)
-        log.info("executor_connected", instance_id=info.instance_id, num_kv_blocks=info.num_kv_blocks, device=info.device)
+        log.info(
+            "executor_connected", instance_id=info.instance_id, num_kv_blocks=info.num_kv_blocks, device=info.device
+        )
         return info
 
     def lost(self, reason: str, live_requests: int) -> None:

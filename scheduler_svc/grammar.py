@@ -16,6 +16,7 @@ always in step with the request's output tokens: preemption, recompute and a
 lost executor (whose in-flight samples are dropped, never applied) leave it
 valid; `GrammarMatcher.num_tokens` is checked against the outputs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -120,8 +121,16 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles constraints in a thread pool, off the event loop, with an LRU cache."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], *, workers: int = 2,
-                 cache_size: int = 256, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        workers: int = 2,
+        cache_size: int = 256,
+        timeout_s: float = 10.0,
+    ) -> None:
         self._tokenizer_args = (tokenizer_json, vocab_size, list(eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error = ""
@@ -172,8 +181,10 @@ class GrammarCompiler:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
-            raise GrammarTimeout(f"compiling the constraint took longer than the server's limit of "
-                                 f"{self.timeout_s:g} s (--grammar-compile-timeout); simplify it") from None
+            raise GrammarTimeout(
+                f"compiling the constraint took longer than the server's limit of "
+                f"{self.timeout_s:g} s (--grammar-compile-timeout); simplify it"
+            ) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

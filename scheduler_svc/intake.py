@@ -12,6 +12,7 @@ Admission refuses, before touching anything: an id that collides with a live
 request's or sample's (KeyError), and a queue already at --max-waiting
 (QueueFull).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,28 +52,49 @@ def sample_ids(gen: GenerationInput) -> list[str]:
     return [gen.request_id] if gen.n == 1 else [f"{gen.request_id}#{i}" for i in range(gen.n)]
 
 
-def fan_out(gen: GenerationInput, grammar: CompiledGrammar | None, eos_token_ids: frozenset[int],
-            arrival: float) -> list[Request]:
+def fan_out(
+    gen: GenerationInput, grammar: CompiledGrammar | None, eos_token_ids: frozenset[int], arrival: float
+) -> list[Request]:
     """The scheduler requests of `gen`'s samples, in sample order."""
     # While min_tokens is not reached, the sampler masks the stop tokens and (unless ignored) EOS.
-    masked = tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos_token_ids))) if gen.min_tokens else ()
+    masked = (
+        tuple(sorted(gen.stop_token_ids | (frozenset() if gen.ignore_eos else eos_token_ids))) if gen.min_tokens else ()
+    )
     requests = []
     for i, sample_id in enumerate(sample_ids(gen)):
         # Seeds are uint64 end to end: sample i of a seed near 2**64 wraps around.
         seed = None if gen.sampling.seed is None else (gen.sampling.seed + i) % 2**64
-        sampling = SamplingParams(**{**gen.sampling.__dict__, "seed": seed, "min_tokens": gen.min_tokens, "min_tokens_masked_ids": masked})
-        requests.append(Request(
-            request_id=sample_id, prompt_token_ids=list(gen.prompt_token_ids), sampling=sampling,
-            max_tokens=gen.max_tokens, eos_token_ids=eos_token_ids, stop_token_ids=gen.stop_token_ids,
-            ignore_eos=gen.ignore_eos, min_tokens=gen.min_tokens, priority=gen.priority, arrival_time=arrival,
-            grammar=None if grammar is None else grammar.matcher(),
-        ))
+        sampling = SamplingParams(
+            **{**gen.sampling.__dict__, "seed": seed, "min_tokens": gen.min_tokens, "min_tokens_masked_ids": masked}
+        )
+        requests.append(
+            Request(
+                request_id=sample_id,
+                prompt_token_ids=list(gen.prompt_token_ids),
+                sampling=sampling,
+                max_tokens=gen.max_tokens,
+                eos_token_ids=eos_token_ids,
+                stop_token_ids=gen.stop_token_ids,
+                ignore_eos=gen.ignore_eos,
+                min_tokens=gen.min_tokens,
+                priority=gen.priority,
+                arrival_time=arrival,
+                grammar=None if grammar is None else grammar.matcher(),
+            )
+        )
     return requests
 
 
 class Intake:
-    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, tokenizer: Tokenizer,
-                 grammars: GrammarCompiler, eos_token_ids: frozenset[int], max_waiting: int):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        tokenizer: Tokenizer,
+        grammars: GrammarCompiler,
+        eos_token_ids: frozenset[int],
+        max_waiting: int,
+    ):
         self._scheduler = scheduler
         self._outputs = outputs
         self._tokenizer = tokenizer
@@ -89,8 +111,9 @@ class Intake:
         """
         return None if gen.constraint is None else await self._grammars.compile(gen.constraint)
 
-    def submit(self, gen: GenerationInput, grammar: CompiledGrammar | None, arrival: float | None,
-               owner: str) -> RequestHandle:
+    def submit(
+        self, gen: GenerationInput, grammar: CompiledGrammar | None, arrival: float | None, owner: str
+    ) -> RequestHandle:
         """Admits `gen`: its samples' streams open and their requests wait in the scheduler."""
         # Sample ids share one namespace with plain request ids: a request named
         # "x#0" collides with sample 0 of a live "x" (n > 1), and vice versa.
@@ -104,8 +127,12 @@ class Intake:
         if arrival is not None:
             handle.arrival = arrival
         requests = fan_out(gen, grammar, self._eos, handle.arrival)
-        detoks = [IncrementalDetokenizer(self._tokenizer, gen.prompt_token_ids, list(gen.stop), gen.include_stop_str_in_output)
-                  for _ in requests]
+        detoks = [
+            IncrementalDetokenizer(
+                self._tokenizer, gen.prompt_token_ids, list(gen.stop), gen.include_stop_str_in_output
+            )
+            for _ in requests
+        ]
         self._outputs.add(handle, requests, detoks)
         for request in requests:
             self._scheduler.add_request(request)

@@ -21,6 +21,7 @@ hashed when its step is planned; it is registered when that sample arrives
 run. Any plan that could hit it runs after that step, and the entry is filed
 under that step, so its failure drops it like the step's own.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -7,6 +7,7 @@ tokens arrive (the output processor calls the `observe_*` methods). Every series
 The per-request metrics exist once the model is known (`bind`, at the first
 executor handshake); no request is admitted before.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,11 +16,53 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Token latencies (TTFT, inter-token) are milliseconds to seconds.
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 # Whole requests on CPU take seconds to minutes (500 tokens at 10 tok/s is 50 s): vLLM's e2e buckets
 # reach 7680 s; these keep resolution where CPU requests land and reach 30 minutes.
-_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 90.0, 120.0, 180.0,
-                    240.0, 300.0, 480.0, 600.0, 900.0, 1200.0, 1800.0)
+_REQUEST_BUCKETS = (
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    240.0,
+    300.0,
+    480.0,
+    600.0,
+    900.0,
+    1200.0,
+    1800.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 LABELS = ["model_name"]
 
@@ -40,8 +83,11 @@ class _SchedulerCollector:
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting (including preempted).", s.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks held by live requests (0-1).",
-             s.kv_blocks_used / max(s.kv_blocks_total, 1)),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV blocks held by live requests (0-1).",
+                s.kv_blocks_used / max(s.kv_blocks_total, 1),
+            ),
             ("kv_cache_blocks_total", "Usable KV blocks.", s.kv_blocks_total),
             ("kv_cache_blocks_used", "KV blocks held by live requests.", s.kv_blocks_used),
             ("kv_cache_blocks_cached_free", "Free KV blocks still holding a reusable prefix.", s.kv_blocks_cached_free),

@@ -13,6 +13,7 @@ Invariants: a sample is live from `add` until exactly one final SampleOutput
 aborts it; either way it is counted once in the per-request metrics, and the
 handle's request_finished line is logged when its last sample ends.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -183,8 +184,19 @@ class OutputProcessor:
         if sample is None:
             return
         req = sample.request
-        self._finish(sample, SampleOutput(sample.index, [], "", finish_reason=FinishReason.ABORT, prompt_tokens=req.num_prompt_tokens,
-                                          completion_tokens=req.num_output_tokens, error=error, unavailable=unavailable))
+        self._finish(
+            sample,
+            SampleOutput(
+                sample.index,
+                [],
+                "",
+                finish_reason=FinishReason.ABORT,
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=req.num_output_tokens,
+                error=error,
+                unavailable=unavailable,
+            ),
+        )
 
     def abort(self, handle: RequestHandle) -> list[str]:
         """The client went away: closes its open samples without a message; returns their ids to abort."""
@@ -213,10 +225,18 @@ class OutputProcessor:
     def _observe_finished(self, sample: _Sample, reason: FinishReason) -> None:
         """Every sample that ends, client aborts included, counts once in the per-request metrics."""
         req = sample.request
-        self._metrics.observe_finished(reason.value, req.num_prompt_tokens, req.num_output_tokens, sample.handle.arrival)
+        self._metrics.observe_finished(
+            reason.value, req.num_prompt_tokens, req.num_output_tokens, sample.handle.arrival
+        )
 
 
 def _log_finished(handle: RequestHandle, reason: str) -> None:
-    log.info("request_finished", request_id=handle.request_id, n=handle.n, finish_reason=reason,
-             prompt_tokens=handle.prompt_tokens, output_tokens=handle.output_tokens,
-             latency_s=round(time.monotonic() - handle.arrival, 4))
+    log.info(
+        "request_finished",
+        request_id=handle.request_id,
+        n=handle.n,
+        finish_reason=reason,
+        prompt_tokens=handle.prompt_tokens,
+        output_tokens=handle.output_tokens,
+        latency_s=round(time.monotonic() - handle.arrival, 4),
+    )

@@ -23,6 +23,7 @@ context shrinks); the KV cache manager extends `block_hashes`; sampled tokens
 enter only through `append_output_token`, which is also the one place stop
 conditions are checked.
 """
+
 from __future__ import annotations
 
 import enum

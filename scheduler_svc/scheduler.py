@@ -33,6 +33,7 @@ finished_request_ids of the next plan that schedules anything (for a
 preemption, the plan that preempts it), except after a failed step, whose
 requests the executor has already dropped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -202,8 +203,13 @@ class Scheduler:
         if not self._schedule_running(draft):
             self._schedule_waiting(draft)  # not after a preemption: memory is short
         draft.count_samples()
-        plan = StepPlan(step_id=self._step_id, new_requests=draft.new_requests, cached_requests=draft.cached,
-                        last_result_step_id=self._last_result_step_id, allowed_token_masks=_masks(draft.scheduled))
+        plan = StepPlan(
+            step_id=self._step_id,
+            new_requests=draft.new_requests,
+            cached_requests=draft.cached,
+            last_result_step_id=self._last_result_step_id,
+            allowed_token_masks=_masks(draft.scheduled),
+        )
         # A plan that schedules nothing need not be sent; the ids and cache entries wait for the next one.
         if plan.num_requests:
             plan.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -362,7 +368,10 @@ class Scheduler:
         return outputs
 
     def _fail_step(
-        self, plan: StepPlan, result: StepResult, planned: dict[str, Request],
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        planned: dict[str, Request],
         newly_cached: list[tuple[int, bytes]] | None,
     ) -> list[RequestOutput]:
         """The step failed (or was refused as stale) and the executor dropped every request in it.
@@ -462,8 +471,13 @@ class Scheduler:
 
 
 def _kv_cache_manager(config: SchedulerConfig) -> KVCacheManager:
-    return KVCacheManager(config.block_size, config.num_blocks, enable_caching=config.enable_prefix_caching,
-                          watermark=config.watermark, hash_algo=config.hash_algo)
+    return KVCacheManager(
+        config.block_size,
+        config.num_blocks,
+        enable_caching=config.enable_prefix_caching,
+        watermark=config.watermark,
+        hash_algo=config.hash_algo,
+    )
 
 
 def _masks(scheduled: list[Request]) -> dict[str, bytes]:
@@ -472,7 +486,8 @@ def _masks(scheduled: list[Request]) -> dict[str, bytes]:
     for request in scheduled:
         if request.grammar is not None and request.num_pending_samples:
             assert request.num_pending_samples == 1 and request.grammar.num_tokens == request.num_output_tokens, (
-                f"{request.request_id!r}: constrained request planned out of lockstep")
+                f"{request.request_id!r}: constrained request planned out of lockstep"
+            )
             masks[request.request_id] = request.grammar.bitmask()
     return masks
 

@@ -1,4 +1,5 @@
 """The scheduler's limits and switches, validated once at construction."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,6 +15,7 @@ Tokenizing, chat rendering and detokenizing of large inputs run in worker
 threads (scheduler_svc/text_work.py), never on the event loop. Request
 listings are scoped to the caller (shared/grpc_auth.py) unless it is an admin.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,11 +58,18 @@ async def abort_invalid(context, err: InvalidRequest):
 def to_response(request_id: str, out: SampleOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=request_id, index=out.index, token_ids=out.token_ids, text=out.text)
     for lp, token in zip(out.logprobs, out.token_ids):
-        msg.logprobs.add(token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+        msg.logprobs.add(
+            token_id=token, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top]
+        )
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH_PB[out.finish_reason]
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                                    cached_prompt_tokens=out.cached_prompt_tokens))
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                cached_prompt_tokens=out.cached_prompt_tokens,
+            )
+        )
         msg.matched_stop = out.matched_stop
         if out.matched_stop_token_id is not None:
             msg.matched_stop_token_id = out.matched_stop_token_id
@@ -86,8 +94,12 @@ def tokenize(tok, request: pb.TokenizeRequest, special_tokens_in_content: bool) 
         ids = tok.encode(request.text, add_special_tokens=add)
     if len(ids) <= _CHUNK:
         return pb.TokenizeResponse(token_ids=ids, tokens=tok.id_to_token(ids))
-    return b"".join(pb.TokenizeResponse(token_ids=ids[i:i + _CHUNK], tokens=tok.id_to_token(ids[i:i + _CHUNK])).SerializeToString()
-                    for i in range(0, len(ids), _CHUNK))
+    return b"".join(
+        pb.TokenizeResponse(
+            token_ids=ids[i : i + _CHUNK], tokens=tok.id_to_token(ids[i : i + _CHUNK])
+        ).SerializeToString()
+        for i in range(0, len(ids), _CHUNK)
+    )
 
 
 def detokenize(tok, vocab_size: int, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
@@ -117,8 +129,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _limits(self) -> Limits:
         info, cfg = self.engine.info, self.config
         return Limits(
-            vocab_size=info.vocab_size, max_model_len=self.engine.max_model_len, max_n=cfg.max_n,
-            max_stop_strings=cfg.max_stop_strings, max_stop_string_bytes=cfg.max_stop_string_bytes,
+            vocab_size=info.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            max_n=cfg.max_n,
+            max_stop_strings=cfg.max_stop_strings,
+            max_stop_string_bytes=cfg.max_stop_string_bytes,
             max_prompt_chars=self.engine.max_model_len * self.engine.tokenizer.max_token_chars,
             special_tokens_in_content=cfg.allow_special_tokens_in_content,
         )
@@ -131,14 +146,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._require_engine(context)
         caller = self._caller(context)
         try:
-            gen = await self.workers.run(work_size(request), to_generation_input, request, self.engine.tokenizer, self._limits())
+            gen = await self.workers.run(
+                work_size(request), to_generation_input, request, self.engine.tokenizer, self._limits()
+            )
         except InvalidRequest as e:
             await abort_invalid(context, e)
         arrival = time.monotonic()
         try:
             grammar = await self.engine.compile_constraint(gen)
         except GrammarError as e:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, GrammarTimeout) else grpc.StatusCode.INVALID_ARGUMENT
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if isinstance(e, GrammarTimeout)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             kind = gen.constraint.kind
             field = "constraint.grammar.source" if kind in ("lark", "gbnf") else f"constraint.{kind}"
             await abort_invalid(context, InvalidRequest(field, str(e), code))
@@ -155,7 +176,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             while finished < handle.n:
                 out: SampleOutput = await handle.queue.get()
                 if out.unavailable:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor did not come back within --executor-recovery-timeout")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, "the executor did not come back within --executor-recovery-timeout"
+                    )
                 if out.error:
                     await context.abort(grpc.StatusCode.INTERNAL, f"request failed inside the engine: {out.error}")
                 if self.engine.draining and out.finish_reason is FinishReason.ABORT:
@@ -171,14 +194,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._require_engine(context)
         size = chat_work_size(request.chat) if request.WhichOneof("input") == "chat" else len(request.text)
         try:
-            return await self.workers.run(size, tokenize, self.engine.tokenizer, request, self.config.allow_special_tokens_in_content)
+            return await self.workers.run(
+                size, tokenize, self.engine.tokenizer, request, self.config.allow_special_tokens_in_content
+            )
         except InvalidRequest as e:
             await abort_invalid(context, e)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         await self._require_engine(context)
         try:
-            return await self.workers.run(len(request.token_ids), detokenize, self.engine.tokenizer, self.engine.info.vocab_size, request)
+            return await self.workers.run(
+                len(request.token_ids), detokenize, self.engine.tokenizer, self.engine.info.vocab_size, request
+            )
         except InvalidRequest as e:
             await abort_invalid(context, e)
 
@@ -186,10 +213,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._require_engine(context)
         info, cfg = self.engine.info, self.config
         return pb.ModelInfo(
-            model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
-            max_model_len_tokens=self.engine.max_model_len, eos_token_ids=list(info.eos_token_ids),
-            block_size_tokens=cfg.block_size, dtype=info.dtype, has_chat_template=self.engine.tokenizer.has_chat_template,
-            max_n=cfg.max_n, max_logprobs=MAX_LOGPROBS, max_stop_strings=cfg.max_stop_strings,
+            model_name=info.model_name,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len_tokens=self.engine.max_model_len,
+            eos_token_ids=list(info.eos_token_ids),
+            block_size_tokens=cfg.block_size,
+            dtype=info.dtype,
+            has_chat_template=self.engine.tokenizer.has_chat_template,
+            max_n=cfg.max_n,
+            max_logprobs=MAX_LOGPROBS,
+            max_stop_strings=cfg.max_stop_strings,
             max_stop_string_bytes=cfg.max_stop_string_bytes,
         )
 
@@ -197,19 +231,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self._require_engine(context)
         s = self.engine.scheduler.stats()
         msg = pb.ServerStatus(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_used=s.kv_blocks_used, kv_blocks_cached_free=s.kv_blocks_cached_free,
-            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens, prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
-            num_preemptions=s.num_preemptions, executor_connected=self.engine.connected, num_steps=s.num_steps,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_cached_free=s.kv_blocks_cached_free,
+            prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
+            num_preemptions=s.num_preemptions,
+            executor_connected=self.engine.connected,
+            num_steps=s.num_steps,
         )
         if request.include_requests:
             # A caller sees only its own requests (ids and prompt lengths are its business); an admin sees all.
             caller = self._caller(context)
             for r in self.engine.live_requests(None if caller.admin else caller.name):
                 msg.requests.add(
-                    request_id=r.request_id, status=int(r.status), prompt_tokens=r.num_prompt_tokens,
-                    output_tokens=r.num_output_tokens, computed_tokens=r.num_computed_tokens,
-                    kv_blocks=len(r.block_ids), priority=r.priority,
+                    request_id=r.request_id,
+                    status=int(r.status),
+                    prompt_tokens=r.num_prompt_tokens,
+                    output_tokens=r.num_output_tokens,
+                    computed_tokens=r.num_computed_tokens,
+                    kv_blocks=len(r.block_ids),
+                    priority=r.priority,
                 )
         return msg
-

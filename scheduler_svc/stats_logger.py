@@ -7,6 +7,7 @@ was some since the last line; an idle server stays quiet. Prompt throughput
 counts the tokens the executor computed that were not sampled outputs (prefill
 work, prefix-cache hits excluded); the hit rate is over the interval's lookups.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,14 @@ class StatsLogger:
 
     def _totals(self, stats, now: float) -> _Totals:
         e = self._engine
-        return _Totals(now, e.metrics.computed_tokens, e.metrics.generated_tokens, stats.prefix_cache_queries_tokens,
-                       stats.prefix_cache_hits_tokens, stats.num_preemptions)
+        return _Totals(
+            now,
+            e.metrics.computed_tokens,
+            e.metrics.generated_tokens,
+            stats.prefix_cache_queries_tokens,
+            stats.prefix_cache_hits_tokens,
+            stats.num_preemptions,
+        )
 
     def line(self, now: float) -> dict | None:
         """The fields of the line due at `now` (None when there is nothing to report)."""
@@ -56,7 +63,8 @@ class StatsLogger:
         return dict(
             prompt_tok_s=round(max(cur.computed - last.computed - generated, 0) / dt, 1),
             gen_tok_s=round(generated / dt, 1),
-            running=s.num_running, waiting=s.num_waiting,
+            running=s.num_running,
+            waiting=s.num_waiting,
             kv_usage_pct=round(100 * s.kv_blocks_used / max(s.kv_blocks_total, 1), 1),
             prefix_hit_pct=round(100 * (cur.hits - last.hits) / queries, 1) if queries else 0.0,
             preemptions=cur.preemptions - last.preemptions,

@@ -11,6 +11,7 @@ call, measured at 30-50 us each on the dev box (uvloop and asyncio alike),
 twice per step; arming here is two clock reads. The price is detection up to
 a quarter of the timeout late (at most 1 s).
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -13,6 +13,7 @@ dev box: encoding 3.5 MB in a thread held the loop at most 137 ms at a time
 Small inputs stay inline: below `INLINE_UP_TO` characters (or ids) the work
 costs less than the ~0.1 ms thread hand-off.
 """
+
 from __future__ import annotations
 
 import asyncio

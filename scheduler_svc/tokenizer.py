@@ -8,6 +8,7 @@ the `tokenizers` library and renders chat templates with a sandboxed jinja2
 environment configured the way transformers configures it, so prompts tokenize
 to exactly the ids the model was trained on.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -48,9 +49,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -177,8 +176,9 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed to render: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, special_tokens_in_content: bool = False
+    ) -> list[int]:
         """Prompt ids for a chat, equal to transformers'
         apply_chat_template(tokenize=True) when no message content contains
         a control-token string.
@@ -213,7 +213,7 @@ class Tokenizer:
         """
         text, starts, ends, pos, length = [], [], [], 0, 0
         for match in _HOLE.finditer(prompt):
-            text.append(prompt[pos:match.start()])
+            text.append(prompt[pos : match.start()])
             length += match.start() - pos
             pos = match.end()
             if match.group(1) != nonce:  # content imitating a hole (it cannot know the nonce): its own text

@@ -9,6 +9,7 @@ a token_ids prompt is counted, a chat's messages are counted (every message
 renders to at least one token) and a text's characters are bounded by
 `max_model_len * tokenizer.max_token_chars` (no token covers more characters).
 """
+
 from __future__ import annotations
 
 import json
@@ -62,20 +63,26 @@ def render_chat(tokenizer: Tokenizer, chat: pb.Chat, field: str, special_tokens_
         raise InvalidRequest(f"{field}.messages", "a chat needs at least one message")
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"{field}.messages[{i}].role", f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+            raise InvalidRequest(
+                f"{field}.messages[{i}].role", f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
     if not tokenizer.has_chat_template:
         raise InvalidRequest(field, "the served model has no chat template; send text or token_ids")
     add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], add_gen,
-                                     special_tokens_in_content=special_tokens_in_content)
+        return tokenizer.encode_chat(
+            [{"role": m.role, "content": m.content} for m in chat.messages],
+            add_gen,
+            special_tokens_in_content=special_tokens_in_content,
+        )
     except ValueError as e:
         raise InvalidRequest(field, str(e)) from e
 
 
 def _too_long(field: str, what: str, limits: Limits) -> InvalidRequest:
-    return InvalidRequest(field, f"{what}: more than the model's context of {limits.max_model_len} tokens",
-                          grpc.StatusCode.OUT_OF_RANGE)
+    return InvalidRequest(
+        field, f"{what}: more than the model's context of {limits.max_model_len} tokens", grpc.StatusCode.OUT_OF_RANGE
+    )
 
 
 def check_prompt_size(req: pb.GenerateRequest, limits: Limits) -> None:
@@ -123,15 +130,19 @@ def prompt_token_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limi
         ids = list(req.token_ids.ids)
         bad = next((t for t in ids if t >= limits.vocab_size), None)
         if bad is not None:
-            raise InvalidRequest("prompt.token_ids.ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+            raise InvalidRequest(
+                "prompt.token_ids.ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})"
+            )
     else:
         ids = render_chat(tokenizer, req.chat, "prompt.chat", limits.special_tokens_in_content)
     if not ids:
         raise InvalidRequest(f"prompt.{kind}", "the prompt has no tokens")
     if len(ids) >= limits.max_model_len:
         raise InvalidRequest(
-            f"prompt.{kind}", f"the prompt has {len(ids)} tokens; the model's context is {limits.max_model_len} "
-            "(at least one token must remain for the output)", grpc.StatusCode.OUT_OF_RANGE,
+            f"prompt.{kind}",
+            f"the prompt has {len(ids)} tokens; the model's context is {limits.max_model_len} "
+            "(at least one token must remain for the output)",
+            grpc.StatusCode.OUT_OF_RANGE,
         )
     return ids
 
@@ -160,9 +171,16 @@ def sampling_params(s: pb.SamplingParams, limits: Limits) -> tuple[SamplingParam
     if n < 1 or n > limits.max_n:
         raise InvalidRequest("sampling.n", f"must be in [1, {limits.max_n}], got {n}")
     params = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, repetition_penalty=rep,
-        presence_penalty=presence, frequency_penalty=frequency, seed=s.seed if s.HasField("seed") else None,
-        logprobs=logprobs, logit_bias=logit_bias(s, limits),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        min_p=min_p,
+        repetition_penalty=rep,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=logprobs,
+        logit_bias=logit_bias(s, limits),
     )
     return params, n
 
@@ -172,7 +190,9 @@ def logit_bias(s: pb.SamplingParams, limits: Limits) -> tuple[tuple[int, float],
         raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
     for token, bias in s.logit_bias.items():
         if token >= limits.vocab_size:
-            raise InvalidRequest("sampling.logit_bias", f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+            raise InvalidRequest(
+                "sampling.logit_bias", f"token id {token} is outside the vocabulary (size {limits.vocab_size})"
+            )
         _check_range(f"sampling.logit_bias[{token}]", bias, -100.0, 100.0)
     return tuple(sorted(s.logit_bias.items()))
 
@@ -231,10 +251,14 @@ def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: L
         if not s:
             raise InvalidRequest(f"stopping.stop[{i}]", "stop strings must not be empty")
         if len(s.encode()) > limits.max_stop_string_bytes:
-            raise InvalidRequest(f"stopping.stop[{i}]", f"at most {limits.max_stop_string_bytes} bytes, got {len(s.encode())}")
+            raise InvalidRequest(
+                f"stopping.stop[{i}]", f"at most {limits.max_stop_string_bytes} bytes, got {len(s.encode())}"
+            )
     bad = next((t for t in st.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:
-        raise InvalidRequest("stopping.stop_token_ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})")
+        raise InvalidRequest(
+            "stopping.stop_token_ids", f"token id {bad} is outside the vocabulary (size {limits.vocab_size})"
+        )
     ids = prompt_token_ids(req, tokenizer, limits)
     room = limits.max_model_len - len(ids)
     if st.HasField("max_tokens"):
@@ -242,8 +266,10 @@ def to_generation_input(req: pb.GenerateRequest, tokenizer: Tokenizer, limits: L
             raise InvalidRequest("stopping.max_tokens", "must be at least 1")
         if st.max_tokens > room:
             raise InvalidRequest(
-                "stopping.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({st.max_tokens}) exceeds the context "
-                f"of {limits.max_model_len} tokens", grpc.StatusCode.OUT_OF_RANGE,
+                "stopping.max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({st.max_tokens}) exceeds the context "
+                f"of {limits.max_model_len} tokens",
+                grpc.StatusCode.OUT_OF_RANGE,
             )
         max_tokens = st.max_tokens
     else:

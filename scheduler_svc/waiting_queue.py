@@ -1,4 +1,5 @@
 """Requests waiting for admission, ordered by (priority, arrival), preempted ones first."""
+
 from __future__ import annotations
 
 import heapq

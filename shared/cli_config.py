@@ -7,6 +7,7 @@ environment. Precedence: command-line flag > environment variable > default.
     --max-num-seqs 64          beats   PAGEDSERVE_MAX_NUM_SEQS=32
     --no-prefix-caching        <->     PAGEDSERVE_NO_PREFIX_CACHING=1
 """
+
 from __future__ import annotations
 
 import argparse

@@ -17,6 +17,7 @@ fails for all but the first, and everyone reads the winner. Everything is
 opened relative to the checked directory with O_NOFOLLOW, so a path swapped
 after the check is never followed.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ SECRET_FILE = "executor-secret"
 
 
 def default_secret_dir(environ: Mapping[str, str]) -> str:
-    state = environ.get("XDG_STATE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    state = environ.get("XDG_STATE_HOME") or os.path.join(
+        environ.get("HOME") or os.path.expanduser("~"), ".local", "state"
+    )
     return os.path.join(state, "pagedserve")
 
 

@@ -15,6 +15,7 @@ admin token's caller may see everyone's. Tokens are compared through their
 SHA-256 digests in constant time, against every accepted token, so timing
 reveals neither a token's length nor which one matched.
 """
+
 from __future__ import annotations
 
 import hashlib

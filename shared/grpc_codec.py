@@ -15,6 +15,7 @@ every other call for a large fraction of a second. A handler may instead
 return `bytes` it serialized itself (in a worker thread, in chunks: the
 concatenation of serialized messages is their merge), passed through as is.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -55,6 +56,7 @@ def _unary_response(behavior):
 
 def _stream_response(behavior):
     if inspect.isasyncgenfunction(behavior):
+
         async def guarded_gen(request, context):
             if isinstance(request, _Corrupt):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(request))
@@ -83,6 +85,8 @@ class CodecInterceptor(grpc.aio.ServerInterceptor):
         deserialize = _safe(handler.request_deserializer)
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
-                _stream_response(handler.unary_stream), deserialize, handler.response_serializer)
+                _stream_response(handler.unary_stream), deserialize, handler.response_serializer
+            )
         return grpc.unary_unary_rpc_method_handler(
-            _unary_response(handler.unary_unary), deserialize, _passing_bytes(handler.response_serializer))
+            _unary_response(handler.unary_unary), deserialize, _passing_bytes(handler.response_serializer)
+        )

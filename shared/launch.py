@@ -16,6 +16,7 @@ a terminal's Ctrl-C reaches only this process, which stops them in order.
 
 Which flag and variable reaches which service: serve_flags.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,19 +52,26 @@ def say(text: str) -> None:
 
 def parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     p = EnvArgumentParser(
-        prog="pagedserve serve", environ=environ,
+        prog="pagedserve serve",
+        environ=environ,
         description="Start the executor, the scheduler and the OpenAI gateway as one process tree. Every other flag "
         "of `python -m executor_svc`, `python -m scheduler_svc` or `python -m openai_gateway` passes through "
         "to the service(s) that have it.",
     )
-    p.add_argument("model", nargs="?", default=None,
-                   help="A .gguf file, a Hugging Face folder or id (org/name); default: the embedded SmolLM2-135M.")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="A .gguf file, a Hugging Face folder or id (org/name); default: the embedded SmolLM2-135M.",
+    )
     p.add_argument("--host", default="127.0.0.1", help="Address the public ports bind to (0.0.0.0: all interfaces).")
     p.add_argument("--port", type=int, default=50051, help="The gRPC API's port (the scheduler).")
     p.add_argument("--openai-port", type=int, default=8000, help="The OpenAI-compatible HTTP API's port.")
     p.add_argument("--no-openai", action="store_true", default=False, help="Do not start the OpenAI gateway.")
     p.add_argument("--executor-metrics-listen", default="", help="HOST:PORT for the executor's own /metrics.")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, help="Seconds to wait for SERVING (downloads count).")
+    p.add_argument(
+        "--startup-timeout", type=float, default=1800.0, help="Seconds to wait for SERVING (downloads count)."
+    )
     return p
 
 
@@ -102,8 +110,9 @@ class Tree:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, args: list[str], env: Mapping[str, str]) -> None:
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", name, *args], env=dict(env),
-                                            process_group=0, preexec_fn=_die_with_parent)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", name, *args], env=dict(env), process_group=0, preexec_fn=_die_with_parent
+        )
         say(f"started {name} (pid {self.procs[name].pid})")
 
     def exited(self) -> str | None:
@@ -165,8 +174,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         p.error(str(e))
     if flag_value(routed[SCHEDULER], "--tls-cert") or environ.get("PAGEDSERVE_TLS_CERT"):
         # The launcher's readiness probe and the gateway speak plaintext to the scheduler.
-        p.error("TLS on the gRPC port is not supported by pagedserve serve; start the services one by one "
-                "(python -m scheduler_svc --tls-cert ..., python -m openai_gateway --scheduler-tls-ca ...)")
+        p.error(
+            "TLS on the gRPC port is not supported by pagedserve serve; start the services one by one "
+            "(python -m scheduler_svc --tls-cert ..., python -m openai_gateway --scheduler-tls-ca ...)"
+        )
     executor_env, scheduler_env = child_envs(environ)
     private = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700: only this user reaches the socket
     executor = f"unix://{private}/executor.sock"
@@ -174,8 +185,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     openai = None if a.no_openai else _host_port(a.host, a.openai_port)
     # The scheduler's (and executor's) metrics reach users through the gateway's /metrics:
     # on loopback ports of their own unless the user chose addresses.
-    scheduler_metrics = (flag_value(routed[SCHEDULER], "--metrics-listen") or scheduler_env.get("PAGEDSERVE_METRICS_LISTEN")
-                         or (f"127.0.0.1:{_free_port()}" if openai else ""))
+    scheduler_metrics = (
+        flag_value(routed[SCHEDULER], "--metrics-listen")
+        or scheduler_env.get("PAGEDSERVE_METRICS_LISTEN")
+        or (f"127.0.0.1:{_free_port()}" if openai else "")
+    )
     executor_metrics = a.executor_metrics_listen or (f"127.0.0.1:{_free_port()}" if openai else "")
     tree = Tree()
     stopping: list[int] = []
@@ -187,18 +201,31 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     signal.signal(signal.SIGINT, on_signal)
     try:
         say(f"loading {a.model or 'the embedded SmolLM2-135M-Instruct'} in the executor ({executor})")
-        tree.start(EXECUTOR, [*(["--model", a.model] if a.model else []), "--listen", executor,
-                              *(["--metrics-listen", executor_metrics] if executor_metrics else []), *routed[EXECUTOR]],
-                   executor_env)
+        tree.start(
+            EXECUTOR,
+            [
+                *(["--model", a.model] if a.model else []),
+                "--listen",
+                executor,
+                *(["--metrics-listen", executor_metrics] if executor_metrics else []),
+                *routed[EXECUTOR],
+            ],
+            executor_env,
+        )
         sched_args = ["--listen", public, "--executor", executor, *routed[SCHEDULER]]
         if scheduler_metrics and "--metrics-listen" not in routed[SCHEDULER]:
             sched_args += ["--metrics-listen", scheduler_metrics]
         tree.start(SCHEDULER, sched_args, scheduler_env)
         if openai:
             upstream = ",".join(_local(m) for m in (scheduler_metrics, executor_metrics) if m)
-            tree.start(GATEWAY, ["--listen", openai, "--scheduler", _local(public), "--metrics-upstream", upstream,
-                                 *routed[GATEWAY]], environ)
-        code = _wait_until_serving(tree, _local(public), openai and "http://" + _local(openai), a.startup_timeout, stopping)
+            tree.start(
+                GATEWAY,
+                ["--listen", openai, "--scheduler", _local(public), "--metrics-upstream", upstream, *routed[GATEWAY]],
+                environ,
+            )
+        code = _wait_until_serving(
+            tree, _local(public), openai and "http://" + _local(openai), a.startup_timeout, stopping
+        )
         if code is None:
             _banner(public, openai and "http://" + _local(openai), routed, scheduler_env)
             while not stopping and tree.exited() is None:
@@ -222,7 +249,9 @@ def _drain_s(routed: Mapping[str, list[str]]) -> float:
     return float(value) if value else 30.0
 
 
-def _wait_until_serving(tree: Tree, target: str, gateway_url: str | None, timeout_s: float, stopping: list) -> int | None:
+def _wait_until_serving(
+    tree: Tree, target: str, gateway_url: str | None, timeout_s: float, stopping: list
+) -> int | None:
     """None once every service serves; else the exit code for a failed start (0 if asked to stop)."""
     started = last_note = time.monotonic()
     stage = "model loading"
@@ -259,18 +288,33 @@ def _served_model(base: str) -> str:
 
 def _banner(public: str, openai_base: str | None, routed, scheduler_env) -> None:
     cli = "pagedserve" + (f" --target {_local(public)}" if _local(public) != "127.0.0.1:50051" else "")
-    auth = (flag_value(routed[SCHEDULER], "--auth-token") or flag_value(routed[SCHEDULER], "--auth-tokens-file")
-            or "PAGEDSERVE_AUTH_TOKEN" in scheduler_env or "PAGEDSERVE_AUTH_TOKENS_FILE" in scheduler_env)
+    auth = (
+        flag_value(routed[SCHEDULER], "--auth-token")
+        or flag_value(routed[SCHEDULER], "--auth-tokens-file")
+        or "PAGEDSERVE_AUTH_TOKEN" in scheduler_env
+        or "PAGEDSERVE_AUTH_TOKENS_FILE" in scheduler_env
+    )
     if auth:
         cli += " --token YOUR_TOKEN"
-    lines = [f"PagedServe is serving. gRPC API on {public}; try:", "",
-             f'  {cli} generate --chat "What is a KV cache, in one sentence?"', f"  {cli} status", ""]
+    lines = [
+        f"PagedServe is serving. gRPC API on {public}; try:",
+        "",
+        f'  {cli} generate --chat "What is a KV cache, in one sentence?"',
+        f"  {cli} status",
+        "",
+    ]
     if openai_base:
-        json_body = json.dumps({"model": _served_model(openai_base), "messages": [{"role": "user", "content": "Hello"}]})
-        lines += [f"OpenAI-compatible API on {openai_base}/v1 (Prometheus metrics on {openai_base}/metrics); try:", "",
-                  f"  curl -s {openai_base}/v1/chat/completions -H 'content-type: application/json' \\"
-                  + ("\n    -H 'authorization: Bearer YOUR_TOKEN' \\" if auth else ""),
-                  f"    -d '{json_body}'", ""]
+        json_body = json.dumps(
+            {"model": _served_model(openai_base), "messages": [{"role": "user", "content": "Hello"}]}
+        )
+        lines += [
+            f"OpenAI-compatible API on {openai_base}/v1 (Prometheus metrics on {openai_base}/metrics); try:",
+            "",
+            f"  curl -s {openai_base}/v1/chat/completions -H 'content-type: application/json' \\"
+            + ("\n    -H 'authorization: Bearer YOUR_TOKEN' \\" if auth else ""),
+            f"    -d '{json_body}'",
+            "",
+        ]
     lines.append("Ctrl-C stops everything.")
     print("\n" + "\n".join(lines) + "\n", file=sys.stderr, flush=True)
 

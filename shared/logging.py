@@ -7,6 +7,7 @@ Records of standard-library loggers (uvicorn's, grpc's) go through the same
 renderer, so one process writes one format. Prompt and output text are never
 logged at INFO or above.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,9 @@ def configure_logging(level: str = "info", json: bool | None = None, service: st
         render = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
         # Plain tracebacks: rich ones print local variables, which hold prompts.
-        render = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)]
+        render = [
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)
+        ]
     structlog.configure(
         processors=common + render,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -45,10 +48,12 @@ def configure_logging(level: str = "info", json: bool | None = None, service: st
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*common, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*common, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+        )
+    )
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(numeric)

@@ -1,4 +1,5 @@
 """Serves a Prometheus registry on `HOST:PORT/metrics` (a daemon thread); metric naming."""
+
 from __future__ import annotations
 
 import re

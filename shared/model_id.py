@@ -1,4 +1,5 @@
 """The id a model is served under: in /v1/models and in the metrics' `model_name` label."""
+
 from __future__ import annotations
 
 import re

@@ -1,11 +1,12 @@
 """Listen/connect addresses: `HOST:PORT`, `[v6]:PORT` or `unix:///path/to.sock`."""
+
 from __future__ import annotations
 
 
 def validate_address(address: str) -> str:
     """Returns the address unchanged if well formed, else raises ValueError."""
     if address.startswith("unix:"):
-        if not address[len("unix:"):].lstrip("/"):
+        if not address[len("unix:") :].lstrip("/"):
             raise ValueError(f"{address!r}: a unix socket address needs a path (unix:///path)")
         return address
     host, sep, port = address.rpartition(":")

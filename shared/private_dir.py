@@ -8,6 +8,7 @@ refuse, with an error that says how to fix it, anything that exists but is a
 symbolic link, is owned by another uid, or is open to group or others. Root is
 no exception: a root process must not trust another user's directory either.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,12 +26,14 @@ def check_private(st: os.stat_result, path: str, kind: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not is_kind:
         raise NotPrivateError(f"{path} is not a {kind} (a symbolic link or something else): remove it")
     if st.st_uid != os.geteuid():
-        raise NotPrivateError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
-                              "use a path of your own")
+        raise NotPrivateError(
+            f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): use a path of your own"
+        )
     if st.st_mode & 0o077:
         fix = "chmod 700" if kind == "directory" else "chmod 600"
-        raise NotPrivateError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}: group or others can reach it "
-                              f"({fix} {path}, or remove it)")
+        raise NotPrivateError(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):o}: group or others can reach it ({fix} {path}, or remove it)"
+        )
 
 
 def ensure_private_dir(path: str) -> str:

@@ -3,6 +3,7 @@
 The scheduler validates the public request and builds one of these; it crosses
 the wire once, with the request's first step plan. Defaults mean "off".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -14,6 +14,7 @@ exist in the executor and the scheduler with different meanings, so
     PAGEDSERVE_AUTH_TOKEN               a client bearer token (the scheduler's)
     PAGEDSERVE_EXECUTOR_AUTH_TOKEN[_FILE]  the internal hop's secret: both get it
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,8 @@ OWNED = {
     SCHEDULER: {"--listen", "--executor", "--executor-auth-token", "--executor-auth-token-file"},
     GATEWAY: {"--listen", "--scheduler", "--metrics-upstream"},
 }
+
+
 def child_envs(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """(executor's, scheduler's) environment, each variable reaching the process it means."""
     executor = {k: v for k, v in environ.items() if k not in ("PAGEDSERVE_METRICS_LISTEN", "PAGEDSERVE_AUTH_TOKEN")}
@@ -54,8 +57,10 @@ def routes(extra: Sequence[str], parsers: Mapping[str, argparse.ArgumentParser])
         flag, eq, value = token.partition("=")
         owners = [name for name, p in parsers.items() if flag in p._option_string_actions]
         if not flag.startswith("--") or not owners:
-            raise ValueError(f"unknown flag {token!r} (see pagedserve serve --help, python -m executor_svc --help, "
-                             "python -m scheduler_svc --help, python -m openai_gateway --help)")
+            raise ValueError(
+                f"unknown flag {token!r} (see pagedserve serve --help, python -m executor_svc --help, "
+                "python -m scheduler_svc --help, python -m openai_gateway --help)"
+            )
         targets = [name for name in owners if flag not in OWNED[name]]
         if not targets:
             raise ValueError(f"{flag} is set by pagedserve serve itself; start the services one by one to choose it")
@@ -72,8 +77,9 @@ def routes(extra: Sequence[str], parsers: Mapping[str, argparse.ArgumentParser])
     return out
 
 
-def split_args(argv: Sequence[str], own: argparse.ArgumentParser,
-               parsers: Mapping[str, argparse.ArgumentParser]) -> tuple[list[str], list[str]]:
+def split_args(
+    argv: Sequence[str], own: argparse.ArgumentParser, parsers: Mapping[str, argparse.ArgumentParser]
+) -> tuple[list[str], list[str]]:
     """(the launcher's arguments, the services' flags). A service flag's value is
     taken with it, so that `--dtype float32` is never mistaken for the MODEL argument."""
     mine, theirs = [], []
@@ -84,7 +90,9 @@ def split_args(argv: Sequence[str], own: argparse.ArgumentParser,
         action = own._option_string_actions.get(flag)
         target = mine
         if action is None and token.startswith("--"):
-            action = next((p._option_string_actions[flag] for p in parsers.values() if flag in p._option_string_actions), None)
+            action = next(
+                (p._option_string_actions[flag] for p in parsers.values() if flag in p._option_string_actions), None
+            )
             target = theirs
         target.append(token)
         if token.startswith("-") and action is not None and action.nargs != 0 and not eq and i + 1 < len(argv):

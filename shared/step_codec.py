@@ -7,6 +7,7 @@ refused (ValueError). A plan's cached_requests arrays are checked where they
 are applied (ModelRunner._apply_plan), so a malformed plan fails its step the
 way every other inconsistent plan does.
 """
+
 from __future__ import annotations
 
 from pagedserve.executor.v1 import executor_pb2 as pb
@@ -83,8 +84,11 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         finished_request_ids=plan.finished_request_ids,
         last_result_step_id=plan.last_result_step_id,
         allowed_token_masks=pb.TokenMasks(
-            request_ids=list(plan.allowed_token_masks), bitmasks=b"".join(plan.allowed_token_masks.values()),
-        ) if plan.allowed_token_masks else None,
+            request_ids=list(plan.allowed_token_masks),
+            bitmasks=b"".join(plan.allowed_token_masks.values()),
+        )
+        if plan.allowed_token_masks
+        else None,
     )
 
 
@@ -124,7 +128,7 @@ def _masks_from_proto(msg: pb.TokenMasks) -> dict[str, bytes]:
     if rest or width % 4:
         raise ValueError(f"{len(msg.bitmasks)} mask bytes do not split into {len(ids)} rows of uint32 words")
     data = msg.bitmasks
-    return {rid: data[i * width:(i + 1) * width] for i, rid in enumerate(ids)}
+    return {rid: data[i * width : (i + 1) * width] for i, rid in enumerate(ids)}
 
 
 def result_to_proto(result: StepResult) -> pb.StepResult:
@@ -150,8 +154,10 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
 def result_from_proto(msg: pb.StepResult) -> StepResult:
     n = len(msg.request_ids)
     if len(msg.sampled_token_ids) != n or (msg.logprobs and len(msg.logprobs) != n):
-        raise ValueError(f"StepResult {msg.step_id}: {n} request_ids, {len(msg.sampled_token_ids)} "
-                         f"sampled_token_ids and {len(msg.logprobs)} logprobs entries (they must be aligned)")
+        raise ValueError(
+            f"StepResult {msg.step_id}: {n} request_ids, {len(msg.sampled_token_ids)} "
+            f"sampled_token_ids and {len(msg.logprobs)} logprobs entries (they must be aligned)"
+        )
     sampled = dict(zip(msg.request_ids, msg.sampled_token_ids))
     logprobs = {}
     if msg.logprobs:

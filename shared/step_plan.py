@@ -12,6 +12,7 @@ Token arithmetic for one request in one step:
     If that range reaches the end of the known tokens, the step samples one new
     token for the request (its logits come from the last scheduled token only).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,9 +68,7 @@ class StepPlan:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            self.cached_requests.num_scheduled_tokens
-        )
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(self.cached_requests.num_scheduled_tokens)
 
 
 @dataclass

@@ -6,6 +6,7 @@ word (t // 32) set = token t may be sampled, so a row is
 llguidance's and xgrammar's layout, so the scheduler forwards the grammar
 library's mask as it is. Read as bytes, bit (t % 8) of byte (t // 8) is token t.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,4 +1,5 @@
 """Shared fixtures: the embedded model's location and a Hugging Face reference."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -24,6 +24,7 @@ Use:
     tokens_by_request = run_steps(scheduler, executor)   # or: step until idle
     audit(scheduler, executor)                           # bookkeeping checks
 """
+
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -155,7 +156,9 @@ class FakeExecutor:
             batch.append((new.request_id, req, new.num_scheduled_tokens))
         cached = plan.cached_requests
         assert (
-            len(cached.request_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
+            len(cached.request_ids)
+            == len(cached.new_block_ids)
+            == len(cached.num_computed_tokens)
             == len(cached.num_scheduled_tokens)
         ), "cached_requests columns differ in length"
         for rid, new_blocks, num_computed, num_scheduled in zip(
@@ -264,8 +267,9 @@ def _first_allowed(mask: bytes, token: int, vocab_size: int) -> int:
     return next((t for t in allowed if t >= token), allowed[0])
 
 
-def run_steps(scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000, *,
-              overlap: bool = False) -> dict[str, list[int]]:
+def run_steps(
+    scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 100_000, *, overlap: bool = False
+) -> dict[str, list[int]]:
     """Steps until no request is live; returns the tokens each request produced.
 
     overlap: like the engine's overlap scheduling, the next plan is made (and

@@ -12,6 +12,7 @@ Block 0 is the null block; blocks are handed out in shuffled order so block
 tables are not contiguous, and the caches start as NaN so a read of a slot
 nobody wrote poisons the output.
 """
+
 from __future__ import annotations
 
 import random
@@ -88,8 +89,9 @@ class Seq:
 
 
 class PagedEngine:
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0,
-                 kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0, kv_dtype: torch.dtype | None = None
+    ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -228,9 +230,7 @@ def save_tiny_hf_model(kind: str, folder: str, seed: int = 0, **overrides):
             **common,
         ),
         "llama_tied": lambda: transformers.LlamaConfig(tie_word_embeddings=True, **common),
-        "llama_linear": lambda: transformers.LlamaConfig(
-            rope_scaling={"rope_type": "linear", "factor": 2.0}, **common
-        ),
+        "llama_linear": lambda: transformers.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}, **common),
         "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=False, **common),
         "mistral": lambda: transformers.MistralConfig(sliding_window=4096, **common),
     }

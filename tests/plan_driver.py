@@ -14,6 +14,7 @@ freed, so a prefix stays valid; the tests size the cache for that.
                      token_budget=16, preempt={"a": 4})
     out["a"].tokens, out["a"].logprobs
 """
+
 from __future__ import annotations
 
 import itertools
@@ -57,8 +58,13 @@ class PlanDriver:
         self._steps = itertools.count(1)
         self._kept: dict[str, _Live] = {}  # every admitted request, for prefix_of
 
-    def run(self, jobs: list[Job], token_budget: int = 1 << 30, preempt: dict[str, int] | None = None,
-            max_steps: int = 10_000) -> dict[str, Output]:
+    def run(
+        self,
+        jobs: list[Job],
+        token_budget: int = 1 << 30,
+        preempt: dict[str, int] | None = None,
+        max_steps: int = 10_000,
+    ) -> dict[str, Output]:
         """Runs every job to max_tokens; `preempt` maps a request id to the
         number of its sampled tokens after which it is preempted once."""
         preempt = dict(preempt or {})
@@ -128,9 +134,17 @@ class PlanDriver:
         plan = StepPlan(step_id=next(self._steps), finished_request_ids=finished, cached_requests=CachedRequestData())
         for state, n in batch:
             if not state.known:
-                plan.new_requests.append(NewRequestData(
-                    state.job.request_id, list(state.tokens), len(state.job.prompt), state.job.sampling,
-                    list(state.blocks), state.computed, n))
+                plan.new_requests.append(
+                    NewRequestData(
+                        state.job.request_id,
+                        list(state.tokens),
+                        len(state.job.prompt),
+                        state.job.sampling,
+                        list(state.blocks),
+                        state.computed,
+                        n,
+                    )
+                )
                 state.known = True
             else:
                 c = plan.cached_requests

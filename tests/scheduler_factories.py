@@ -3,6 +3,7 @@
 Requests get a deterministic arrival clock; step() runs one plan through the
 FakeExecutor and applies its result.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -5,6 +5,7 @@ API a free loopback port, so parallel test runs never collide. Both processes
 find their shared executor secret in that directory too (PAGEDSERVE_SECRET_DIR),
 not in the user's own state directory.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,9 @@ class Servers:
     def _spawn(self, module: str, args: list[str], log_name: str) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_SECRET_DIR": self.secret_dir, **self.env}
         log = open(os.path.join(self.tmp, log_name), "ab")
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
 
     def executor_metadata(self) -> tuple[tuple[str, str], ...]:
         """What a hand-driven call to the executor needs: its secret, as the scheduler presents it."""
@@ -75,12 +78,16 @@ class Servers:
         return (("authorization", f"Bearer {installation_secret(self.secret_dir)}"),)
 
     def start_executor(self) -> None:
-        self.executor = self._spawn("executor_svc", ["--listen", self.executor_addr, *self.executor_args], "executor.log")
+        self.executor = self._spawn(
+            "executor_svc", ["--listen", self.executor_addr, *self.executor_args], "executor.log"
+        )
 
     def start(self, timeout: float = 180.0) -> Servers:
         self.start_executor()
         self.scheduler = self._spawn(
-            "scheduler_svc", ["--listen", self.public_addr, "--executor", self.executor_addr, *self.scheduler_args], "scheduler.log"
+            "scheduler_svc",
+            ["--listen", self.public_addr, "--executor", self.executor_addr, *self.scheduler_args],
+            "scheduler.log",
         )
         try:
             wait_serving(self.public_addr, [self.executor, self.scheduler], timeout)

@@ -7,6 +7,7 @@ only the server holds (message size, live request ids, the waiting queue)
 answer with theirs, and afterwards a normal request still succeeds and no KV
 block is held.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,15 +45,21 @@ CASES = [
     ("token id outside vocab", build_request(token_ids=[1, 2, 49152]), INVALID, "prompt.token_ids.ids"),
     ("NaN temperature", with_sampling(temperature=math.nan), INVALID, "sampling.temperature"),
     ("unknown chat role", chat([("user", "hi"), ("wizard", "abracadabra")]), INVALID, "prompt.chat.messages[1].role"),
-    ("prompt + max_tokens beyond context", build_request(token_ids=[100] * 8000, max_tokens=500), OUT_OF_RANGE,
-     "stopping.max_tokens"),
+    (
+        "prompt + max_tokens beyond context",
+        build_request(token_ids=[100] * 8000, max_tokens=500),
+        OUT_OF_RANGE,
+        "stopping.max_tokens",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def servers():
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "1"],
-                 scheduler_args=["--max-message-bytes", "65536", "--max-waiting", "4", "--max-num-seqs", "2"]) as s:
+    with Servers(
+        executor_args=["--dtype", "float32", "--kv-cache-gib", "1"],
+        scheduler_args=["--max-message-bytes", "65536", "--max-waiting", "4", "--max-num-seqs", "2"],
+    ) as s:
         yield s
 
 
@@ -87,7 +94,9 @@ def test_oversized_message_gets_resource_exhausted(client):
 
 
 def test_duplicate_live_request_id_gets_already_exists(client):
-    stream = client.generate("Tell me a long story about a dragon.", request_id="dup-1", max_tokens=200, ignore_eos=True)
+    stream = client.generate(
+        "Tell me a long story about a dragon.", request_id="dup-1", max_tokens=200, ignore_eos=True
+    )
     first = next(stream)
     assert first.request_id == "dup-1"
     with pytest.raises(grpc.RpcError) as info:

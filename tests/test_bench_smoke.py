@@ -6,6 +6,7 @@ gRPC path, result files and charts are exercised in well under a minute of
 model time. The HF baseline runs on a tiny random Llama, not the real model:
 what is under test is the static-batch bookkeeping, not the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,8 +79,15 @@ def test_poisson_arrivals_mean_gap_and_burst():
 
 
 def test_latency_definitions():
-    rec = RequestRecord(index=0, max_tokens=4, sent_at=1.0, chunk_times=[1.5, 1.6, 2.0], chunk_tokens=[1, 2, 1],
-                        finished_at=2.0, output_tokens=4)
+    rec = RequestRecord(
+        index=0,
+        max_tokens=4,
+        sent_at=1.0,
+        chunk_times=[1.5, 1.6, 2.0],
+        chunk_tokens=[1, 2, 1],
+        finished_at=2.0,
+        output_tokens=4,
+    )
     assert rec.ttft == pytest.approx(0.5)
     assert rec.e2e == pytest.approx(1.0)
     assert rec.tpot == pytest.approx(0.5 / 3)
@@ -90,20 +98,30 @@ def test_latency_definitions():
 def test_serve_reports_medians_over_rounds():
     from bench.serve import median_over_rounds
 
-    rounds = [{"rate": 2.0, "ttft": {"p50": t}, "goodput": {"ttft_slo_s": 1.0, "fraction": f}}
-              for t, f in ((1.0, 0.5), (9.0, 1.0), (3.0, 0.75))]
-    assert median_over_rounds(rounds) == {"rate": 2.0, "ttft": {"p50": 3.0},
-                                          "goodput": {"ttft_slo_s": 1.0, "fraction": 0.75}}
+    rounds = [
+        {"rate": 2.0, "ttft": {"p50": t}, "goodput": {"ttft_slo_s": 1.0, "fraction": f}}
+        for t, f in ((1.0, 0.5), (9.0, 1.0), (3.0, 0.75))
+    ]
+    assert median_over_rounds(rounds) == {
+        "rate": 2.0,
+        "ttft": {"p50": 3.0},
+        "goodput": {"ttft_slo_s": 1.0, "fraction": 0.75},
+    }
 
 
 def test_memory_waste_accounting():
-    status = pb.ServerStatus(kv_blocks_used=5, requests=[
-        pb.RequestSummary(request_id="m-0", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=20, computed_tokens=24,
-                          kv_blocks=2),
-        pb.RequestSummary(request_id="m-1", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=40, computed_tokens=40,
-                          kv_blocks=3),
-        pb.RequestSummary(request_id="m-2", status=pb.REQUEST_STATUS_WAITING, prompt_tokens=99),
-    ])
+    status = pb.ServerStatus(
+        kv_blocks_used=5,
+        requests=[
+            pb.RequestSummary(
+                request_id="m-0", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=20, computed_tokens=24, kv_blocks=2
+            ),
+            pb.RequestSummary(
+                request_id="m-1", status=pb.REQUEST_STATUS_RUNNING, prompt_tokens=40, computed_tokens=40, kv_blocks=3
+            ),
+            pb.RequestSummary(request_id="m-2", status=pb.REQUEST_STATUS_WAITING, prompt_tokens=99),
+        ],
+    )
     s = memory.sample_stats(status, {"m-0": 10, "m-1": 30, "m-2": 5}, block_size=16, max_model_len=100)
     assert s["num_running"] == 2 and s["held_tokens"] == 64
     assert s["paged_waste"] == pytest.approx(1 - 64 / 80)
@@ -115,15 +133,25 @@ def test_hf_static_batches_count_only_useful_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=128,
+        )
+    )
     reqs = uniform_workload(5, (3, 9), (1, 6), 300, seed=2)
     batches = []
     r = hf_baseline.run_static_batches(model.eval(), reqs, batch_size=2, on_batch=batches.append)
     assert batches == [2, 2, 1]
     assert r["useful_output_tokens"] == sum(q.max_tokens for q in reqs)
-    assert r["generated_tokens"] == sum(len(reqs[i:i + 2]) * max(q.max_tokens for q in reqs[i:i + 2])
-                                        for i in range(0, 5, 2))
+    assert r["generated_tokens"] == sum(
+        len(reqs[i : i + 2]) * max(q.max_tokens for q in reqs[i : i + 2]) for i in range(0, 5, 2)
+    )
     assert r["output_tokens_per_s"] == pytest.approx(r["useful_output_tokens"] / r["duration_s"])
 
 
@@ -157,15 +185,45 @@ def test_suites_run_end_to_end(engine, tmp_path):
         assert 0 < r["ttft"]["p50"] <= r["ttft"]["p99"] <= r["e2e"]["p99"]
         assert 0 <= r["goodput"]["fraction"] <= 1
 
-    m = _run("memory", ["--target", engine, "--num-requests", "4", "--prompt-len", "64:200", "--output-len", "8:12",
-                        "--interval", "0.005"], tmp_path / "m")
+    m = _run(
+        "memory",
+        [
+            "--target",
+            engine,
+            "--num-requests",
+            "4",
+            "--prompt-len",
+            "64:200",
+            "--output-len",
+            "8:12",
+            "--interval",
+            "0.005",
+        ],
+        tmp_path / "m",
+    )
     w, c = m["summary"]["waste"], m["summary"]["concurrency"]
     assert 0 <= w["paged"] < 1 and w["paged"] <= w["reserve_max_model_len"]
     assert 1 <= c["paged_max_running"] <= 4 and c["reserve_max_model_len"] == m["summary"]["budget_tokens"] // 512
 
     # One engine stands in for both runs: the harness path is the same, the accounting must hold.
-    p = _run("prefix", ["--target", engine, "--target-off", engine, "--num-requests", "3", "--prefix-len", "48",
-                        "--suffix-len", "4:8", "--output-len", "2"], tmp_path / "p")
+    p = _run(
+        "prefix",
+        [
+            "--target",
+            engine,
+            "--target-off",
+            engine,
+            "--num-requests",
+            "3",
+            "--prefix-len",
+            "48",
+            "--suffix-len",
+            "4:8",
+            "--output-len",
+            "2",
+        ],
+        tmp_path / "p",
+    )
     for run in (p["on"], p["off"]):
         assert run["cached_prompt_tokens"] + run["computed_prefill_tokens"] == run["prompt_tokens"]
         assert run["prompt_tokens"] == run["workload"]["prompt_tokens"]
@@ -198,10 +256,32 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(model_dir / "tokenizer.json"))
     threads = torch.get_num_threads()
     try:
-        r = forward_sweep.main(["--model", str(model_dir), "--batch-sizes", "1,2", "--context", "40",
-                                "--contexts", "32", "--batch", "2", "--prefill-tokens", "16", "--prefill-batch", "2",
-                                "--dtypes", "float32", "--rounds", "1", "--num-threads", "1",
-                                "--out-dir", str(tmp_path / "out")])
+        r = forward_sweep.main(
+            [
+                "--model",
+                str(model_dir),
+                "--batch-sizes",
+                "1,2",
+                "--context",
+                "40",
+                "--contexts",
+                "32",
+                "--batch",
+                "2",
+                "--prefill-tokens",
+                "16",
+                "--prefill-batch",
+                "2",
+                "--dtypes",
+                "float32",
+                "--rounds",
+                "1",
+                "--num-threads",
+                "1",
+                "--out-dir",
+                str(tmp_path / "out"),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)  # the Worker sets them for the whole process
     (json_path,) = (tmp_path / "out").glob("forward_sweep-*.json")
@@ -209,7 +289,11 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
     assert json.loads(json_path.read_text())["rows"] == r["rows"]
     assert r["command"].startswith("python -m bench.forward_sweep --model")
     assert [(x["sweep"], x["batch"], x["context"], x["tokens"]) for x in r["rows"]] == [
-        ("batch", 1, 40, 1), ("batch", 2, 40, 2), ("context", 2, 32, 2), ("prefill", 2, 16, 32)]
+        ("batch", 1, 40, 1),
+        ("batch", 2, 40, 2),
+        ("context", 2, 32, 2),
+        ("prefill", 2, 16, 32),
+    ]
     m = r["model"]
     head = hf.config.vocab_size * hf.config.hidden_size
     assert m["head_params"] == head and m["non_embedding_params"] == sum(p.numel() for p in hf.parameters()) - head
@@ -226,8 +310,7 @@ def test_vllm_ratio_is_the_median_of_per_round_ratios():
     def r(tok_s):
         return dict(requests_per_s=1.0, output_tokens_per_s=tok_s, total_tokens_per_s=3 * tok_s)
 
-    out = _summarize(dict(pagedserve_rounds=[r(100), r(150), r(90)], hf_rounds=[],
-                          vllm_rounds=[r(80), r(100), r(100)]))
+    out = _summarize(dict(pagedserve_rounds=[r(100), r(150), r(90)], hf_rounds=[], vllm_rounds=[r(80), r(100), r(100)]))
     assert out["ratio_vs_vllm_per_round"] == pytest.approx([1.25, 1.5, 0.9])
     assert out["ratio_vs_vllm"] == pytest.approx(1.25) and out["vllm"]["output_tokens_per_s"] == 100
     failed = _summarize(dict(pagedserve_rounds=[r(100)], hf_rounds=[], vllm_rounds=[dict(error="exit 1")]))

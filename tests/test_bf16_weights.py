@@ -5,6 +5,7 @@ The claim to hold it to: the kernel widens each bfloat16 weight exactly and
 keeps the float32 kernel's order of FMAs, so a widened model computes what a
 float32 model holding the same (bfloat16-valued) weights computes, bit for
 bit, wherever both run the packed kernel."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,8 +81,12 @@ def test_bf16_kernel_writes_exactly_its_outputs_over_several_chunks():
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
     out = torch.full((m, ldc), float("nan"))
     blocks = pack_bf16(weight)
-    assert packed_linear.kernel().gemm_blocks(out.data_ptr(), ldc, x.data_ptr(), k, blocks.data.data_ptr(),
-                                              BLOCK_FORMATS["BF16"][0], None, m, n, k, 2) == 0
+    assert (
+        packed_linear.kernel().gemm_blocks(
+            out.data_ptr(), ldc, x.data_ptr(), k, blocks.data.data_ptr(), BLOCK_FORMATS["BF16"][0], None, m, n, k, 2
+        )
+        == 0
+    )
     assert torch.equal(out[:, :n], float32_panels(x, weight.float(), None))
     assert out[:, n:].isnan().all()
 
@@ -225,8 +230,9 @@ def test_worker_serves_bfloat16_widened(tmp_path):
     worker_mod.cpu_has_fast_bf16 = lambda: False
     try:
         widened = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01))
-        emulated = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01,
-                                                    cpu_gemm="torch"))
+        emulated = worker_mod.Worker(
+            ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, cpu_gemm="torch")
+        )
     finally:
         worker_mod.cpu_has_fast_bf16 = original
     assert widened.packed_gemm and widened.model.compute_dtype == torch.float32
@@ -280,13 +286,23 @@ def test_bf16_gguf_blocks_give_the_float32_models_block_outputs(tmp_path, kind, 
     exact values in float32, in one order of FMAs), though the bfloat16
     weights hold those values rounded; past it, the BF16 blocks' outputs."""
     widened, plain, _ = gguf_models(tmp_path, kind, quant)
-    pairs = [(w.packed[n], p.packed[n], getattr(w, f"{n}_weight"), getattr(p, f"{n}_weight"),
-              p.qkv_bias if n == "qkv" else None)
-             for w, p in zip(widened.layers, plain.layers) for n in LINEAR_PARTS]
+    pairs = [
+        (
+            w.packed[n],
+            p.packed[n],
+            getattr(w, f"{n}_weight"),
+            getattr(p, f"{n}_weight"),
+            p.qkv_bias if n == "qkv" else None,
+        )
+        for w, p in zip(widened.layers, plain.layers)
+        for n in LINEAR_PARTS
+    ]
     head = plain.embed_tokens if plain.lm_head is None else plain.lm_head
     pairs.append((widened._head_packed, plain._head_packed, None, head, None))
     assert all(w.gguf is not None and w.gguf.kind == quant for w, *_ in pairs)
-    assert any(not torch.equal(w_weight.float(), p_weight) for _, _, w_weight, p_weight, _ in pairs if w_weight is not None)
+    assert any(
+        not torch.equal(w_weight.float(), p_weight) for _, _, w_weight, p_weight, _ in pairs if w_weight is not None
+    )
     gen = torch.Generator().manual_seed(0)
     for w_packed, p_packed, w_weight, p_weight, bias in pairs:
         w_weight = p_weight.to(torch.bfloat16) if w_weight is None else w_weight
@@ -310,8 +326,15 @@ def test_bf16_gguf_blocks_through_the_loader_and_the_flag(tmp_path):
     save_tiny_gguf(hf_model, str(tmp_path / "tiny.gguf"), quantize="Q4_1")
     models = {}
     for flag in (True, False):
-        models[flag] = load_model(str(tmp_path / "tiny.gguf"), torch.bfloat16, "cpu", make_backend("cpu"),
-                                  with_tokenizer=False, packed_gemm=True, gguf_blocks=flag).model
+        models[flag] = load_model(
+            str(tmp_path / "tiny.gguf"),
+            torch.bfloat16,
+            "cpu",
+            make_backend("cpu"),
+            with_tokenizer=False,
+            packed_gemm=True,
+            gguf_blocks=flag,
+        ).model
     on, off = models[True], models[False]
     for model in (on, off):
         assert model.compute_dtype == torch.float32

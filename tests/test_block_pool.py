@@ -1,4 +1,5 @@
 """BlockPool and FreeBlockQueue: exact block ids, ref counts and free-queue order."""
+
 from __future__ import annotations
 
 import hashlib
@@ -138,9 +139,7 @@ def test_uncache_block_and_reset_prefix_cache():
 def test_hash_is_canonical_sha256_of_documented_encoding():
     parent = hashlib.sha256(b"p").digest()
     tokens = [1, 70000, 3]
-    expected = hashlib.sha256(
-        b"\x01" + parent + struct.pack("<I", 3) + b"abc" + struct.pack("<3q", *tokens)
-    ).digest()
+    expected = hashlib.sha256(b"\x01" + parent + struct.pack("<I", 3) + b"abc" + struct.pack("<3q", *tokens)).digest()
     assert hash_block_tokens(hashlib.sha256, parent, tokens, b"abc") == expected
     root = hashlib.sha256(b"\x00" + struct.pack("<I", 0) + struct.pack("<3q", *tokens)).digest()
     assert hash_block_tokens(hashlib.sha256, None, tokens) == root

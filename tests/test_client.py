@@ -1,4 +1,5 @@
 """pagedserve_client without a server: requests it builds, results it returns, errors it raises."""
+
 from __future__ import annotations
 
 import subprocess
@@ -32,9 +33,16 @@ def test_stop_is_a_string_or_a_list(stop, expected):
 def test_one_result_type_for_deltas_and_whole_samples():
     mid = Completion.from_proto(pb.GenerateResponse(request_id="r", index=1, token_ids=[5, 6], text="ab"))
     assert (mid.finish_reason, mid.usage, mid.text) == (None, None, "ab")
-    last = pb.GenerateResponse(request_id="r", index=1, token_ids=[7], text="c", finish_reason=pb.FINISH_REASON_STOP,
-                               usage=pb.Usage(prompt_tokens=3, completion_tokens=3, cached_prompt_tokens=2),
-                               matched_stop="d", matched_stop_token_id=9)
+    last = pb.GenerateResponse(
+        request_id="r",
+        index=1,
+        token_ids=[7],
+        text="c",
+        finish_reason=pb.FINISH_REASON_STOP,
+        usage=pb.Usage(prompt_tokens=3, completion_tokens=3, cached_prompt_tokens=2),
+        matched_stop="d",
+        matched_stop_token_id=9,
+    )
     last.logprobs.add(token_id=7, logprob=-0.5, top=[pb.TopLogprob(token_id=7, logprob=-0.5)])
     end = Completion.from_proto(last)
     assert end.finish_reason == "stop" and end.usage == Usage(3, 3, 2) and end.matched_stop_token_id == 9
@@ -63,12 +71,16 @@ class _FakeCall(grpc.RpcError):
 
 
 def test_errors_carry_the_code_and_field_violations():
-    bad = error_details_pb2.BadRequest(field_violations=[
-        error_details_pb2.BadRequest.FieldViolation(field="sampling.temperature", description="must be >= 0")])
+    bad = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field="sampling.temperature", description="must be >= 0")
+        ]
+    )
     status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="sampling.temperature: must be >= 0")
     status.details.add().Pack(bad)
-    err = from_rpc_error(_FakeCall(grpc.StatusCode.INVALID_ARGUMENT, status.message,
-                                   rpc_status.to_status(status).trailing_metadata))
+    err = from_rpc_error(
+        _FakeCall(grpc.StatusCode.INVALID_ARGUMENT, status.message, rpc_status.to_status(status).trailing_metadata)
+    )
     assert isinstance(err, BadRequestError) and isinstance(err, grpc.RpcError)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details() == status.message
     assert err.field_violations == (FieldViolation("sampling.temperature", "must be >= 0"),)
@@ -85,11 +97,20 @@ def test_an_unreachable_server_raises_a_typed_error():
 
 
 def test_version_and_no_torch_for_the_client():
-    out = subprocess.run([sys.executable, "-m", "pagedserve_client.cli", "--version"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedserve_client.cli", "--version"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     from importlib.metadata import version
 
     assert out.returncode == 0 and out.stdout.strip() == f"pagedserve {version('pagedserve')}"
     probe = "import sys, pagedserve_client, pagedserve_client.cli; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
-                          timeout=60).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+        == "False"
+    )

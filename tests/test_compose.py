@@ -6,6 +6,7 @@ is unreachable from the host and stops the stack (docs/deployment.md).
 Skipped where no Docker engine (or no compose) is reachable, as in CI; the
 first build takes minutes, later ones reuse Docker's layer cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,11 @@ def _works(*cmd: str) -> bool:
 
 
 def docker_with_compose() -> bool:
-    return (shutil.which("docker") is not None and _works("docker", "info")
-            and (_works("docker", "compose", "version") or _works("docker-compose", "version")))
+    return (
+        shutil.which("docker") is not None
+        and _works("docker", "info")
+        and (_works("docker", "compose", "version") or _works("docker-compose", "version"))
+    )
 
 
 pytestmark = [
@@ -40,6 +44,11 @@ pytestmark = [
 @pytest.mark.timeout(3600)
 def test_compose_up_serves_grpc_and_openai_and_hides_the_executor():
     cli = os.path.join(os.path.dirname(sys.executable), "pagedserve")
-    done = subprocess.run([os.path.join(REPO, "deploy", "compose-smoke.sh")], env={**os.environ, "PAGEDSERVE_CLI": cli},
-                          capture_output=True, text=True, timeout=3500)
+    done = subprocess.run(
+        [os.path.join(REPO, "deploy", "compose-smoke.sh")],
+        env={**os.environ, "PAGEDSERVE_CLI": cli},
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
     assert done.returncode == 0 and "compose-smoke: OK" in done.stdout, (done.stdout[-6000:], done.stderr[-6000:])

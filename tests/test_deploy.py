@@ -8,6 +8,7 @@
   .dockerignore keeps the venv and build outputs out;
 - one image tag per variant; compose outlasts the services' drain.
 """
+
 from __future__ import annotations
 
 import glob
@@ -35,8 +36,11 @@ def load(name: str) -> dict:
 @pytest.fixture(scope="module")
 def compose_schema(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("compose-schema")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "docker-compose==1.29.2", "-d", str(d)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "docker-compose==1.29.2", "-d", str(d)],
+        check=True,
+        timeout=300,
+    )
     with zipfile.ZipFile(glob.glob(str(d / "*.whl"))[0]) as z:
         return json.loads(z.read("compose/config/compose_spec.json"))
 
@@ -58,7 +62,9 @@ def test_schema_check_can_fail(compose_schema):
 
 
 def env_vars_read_by(module: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     return set(re.findall(r"PAGEDSERVE_[A-Z0-9_]+", out))
 
 
@@ -69,7 +75,9 @@ def test_every_compose_variable_is_read_by_its_service():
         for svc, spec in load(name)["services"].items():
             for var in spec.get("environment", {}):
                 if var.startswith("PAGEDSERVE_"):
-                    assert var in read[svc], f"{name}: {svc} sets {var}, which python -m {MODULE_OF_SERVICE[svc]} never reads"
+                    assert var in read[svc], (
+                        f"{name}: {svc} sets {var}, which python -m {MODULE_OF_SERVICE[svc]} never reads"
+                    )
 
 
 def test_executor_is_never_published_and_the_scheduler_is():
@@ -83,8 +91,10 @@ def test_executor_and_scheduler_share_the_executor_secret_and_nobody_else_mounts
     dirs = {svc: services[svc]["environment"].get("PAGEDSERVE_SECRET_DIR") for svc in ("executor", "scheduler")}
     assert len(set(dirs.values())) == 1 and None not in dirs.values()
     secret_dir = dirs["executor"]
-    mounts = {svc: [v for v in spec.get("volumes", []) if secret_dir.startswith(v.split(":")[1] + "/")]
-              for svc, spec in services.items()}
+    mounts = {
+        svc: [v for v in spec.get("volumes", []) if secret_dir.startswith(v.split(":")[1] + "/")]
+        for svc, spec in services.items()
+    }
     assert mounts["executor"] == mounts["scheduler"] and len(mounts["executor"]) == 1 and not mounts["gateway"]
     assert mounts["executor"][0].split(":")[0] in load("docker-compose.yml")["volumes"]  # a named volume
 
@@ -103,8 +113,10 @@ def test_dockerfile_installs_dependencies_before_the_source_and_runs_as_a_user()
     source = lines.index("COPY . .")
     assert deps < source, "every source edit would reinstall the dependencies"
     assert all(" . " not in line for line in lines[:deps] if line.startswith("COPY"))
-    runtime = lines[lines.index("FROM system AS runtime"):]
-    assert not any(line.startswith("COPY") and "--from=" not in line and "prebuild_kernels" not in line for line in runtime)
+    runtime = lines[lines.index("FROM system AS runtime") :]
+    assert not any(
+        line.startswith("COPY") and "--from=" not in line and "prebuild_kernels" not in line for line in runtime
+    )
     user = [line.split()[1] for line in runtime if line.startswith("USER ")]
     assert user and user[-1] not in ("root", "0")
     assert not any("[test" in line or ",test" in line for line in lines)
@@ -113,7 +125,15 @@ def test_dockerfile_installs_dependencies_before_the_source_and_runs_as_a_user()
 def test_dockerignore_keeps_the_venv_git_and_build_outputs_out():
     with open(os.path.join(REPO, ".dockerignore")) as f:
         patterns = {line.strip() for line in f if line.strip() and not line.startswith("#")}
-    assert {".git", ".venv", "build", "dist", "pagedserve", "executor_svc/**/native/build", "**/__pycache__"} <= patterns
+    assert {
+        ".git",
+        ".venv",
+        "build",
+        "dist",
+        "pagedserve",
+        "executor_svc/**/native/build",
+        "**/__pycache__",
+    } <= patterns
 
 
 def seconds(duration: str) -> float:

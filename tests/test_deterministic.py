@@ -12,6 +12,7 @@ logprob floats bit for bit.
 The Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 must be
 set before triton is first imported, as in test_attention.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ def tiny_gguf(tmp_path_factory) -> str:
     from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
 
     folder = tmp_path_factory.mktemp("tiny")
-    hf = save_tiny_hf_model("qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320,
-                            max_position_embeddings=512)
+    hf = save_tiny_hf_model(
+        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
+    )
     path = str(folder / "tiny.Q8_0.gguf")
     save_tiny_gguf(hf, path, "Q8_0")
     return path
@@ -57,8 +59,9 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 def make_runner(path: str, dtype: torch.dtype) -> ModelRunner:
     backend = get_backend("cpu", batch_invariant=True)
-    loaded = load_model(path, dtype, "cpu", backend, with_tokenizer=False, packed_gemm=True, gguf_blocks=True,
-                        batch_invariant=True)
+    loaded = load_model(
+        path, dtype, "cpu", backend, with_tokenizer=False, packed_gemm=True, gguf_blocks=True, batch_invariant=True
+    )
     kv = allocate_kv_caches(loaded.config, 600, BLOCK, dtype, torch.device("cpu"))
     return ModelRunner(loaded.model, kv, BLOCK, loaded.config.vocab_size, torch.device("cpu"), backend)
 
@@ -69,8 +72,9 @@ def prompts(n_tokens=(5, 23, 40, 70, 300)) -> list[list[int]]:
 
 
 def jobs(arrive=(0, 0, 0, 0, 0), max_tokens: int = 10) -> list[Job]:
-    return [Job(f"r{i}", p, max_tokens, GREEDY if i % 2 == 0 else SEEDED, arrive=arrive[i])
-            for i, p in enumerate(prompts())]
+    return [
+        Job(f"r{i}", p, max_tokens, GREEDY if i % 2 == 0 else SEEDED, arrive=arrive[i]) for i, p in enumerate(prompts())
+    ]
 
 
 def as_numbers(out) -> dict:
@@ -145,25 +149,39 @@ def test_a_batch_invariant_linear_row_is_the_same_at_every_row_count_and_thread_
     assert packed_linear.route(700, dataclasses.replace(packed, batch_invariant=False)) == "torch"
 
 
-def attend_in_chunks(backend, chunks: list[int], dtype: torch.dtype, seq_len: int, head_dim: int = 64,
-                     others: int = 0) -> torch.Tensor:
+def attend_in_chunks(
+    backend, chunks: list[int], dtype: torch.dtype, seq_len: int, head_dim: int = 64, others: int = 0
+) -> torch.Tensor:
     """Every token of one request computed in steps of the given sizes (1 = a decode), each
     step beside `others` (<= 3) decodes of other requests; returns its tokens' outputs. The
     data are the same whatever `others`: the batch always holds the 3 others."""
-    base = make_batch([(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)], block_size=BLOCK,
-                      num_kv_heads=2, group=3, head_dim=head_dim, dtype=dtype, seed=3)
-    ctx = base.meta.seq_lens_cpu[1:1 + others]
+    base = make_batch(
+        [(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)],
+        block_size=BLOCK,
+        num_kv_heads=2,
+        group=3,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=3,
+    )
+    ctx = base.meta.seq_lens_cpu[1 : 1 + others]
     k_cache, v_cache = base.k_cache.clone(), base.v_cache.clone()
     outs, start = [], 0
     for n in chunks:
         n = min(n, seq_len - start)
         rows = list(range(start, start + n)) + list(range(seq_len, seq_len + others))
         meta = dataclasses.replace(
-            base.meta, num_tokens=len(rows), slot_mapping=base.meta.slot_mapping[rows],
+            base.meta,
+            num_tokens=len(rows),
+            slot_mapping=base.meta.slot_mapping[rows],
             query_start_loc=torch.tensor([0, n] + [n + i + 1 for i in range(others)], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32), max_query_len=n,
-            max_seq_len=max([start + n] + ctx), query_lens_cpu=[n] + [1] * others,
-            seq_lens_cpu=[start + n] + ctx, extra={})
+            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32),
+            max_query_len=n,
+            max_seq_len=max([start + n] + ctx),
+            query_lens_cpu=[n] + [1] * others,
+            seq_lens_cpu=[start + n] + ctx,
+            extra={},
+        )
         backend.prepare(meta)
         backend.write_kv(base.new_key[rows], base.new_value[rows], k_cache, v_cache, meta)
         outs.append(backend.forward(base.query[rows], k_cache, v_cache, meta, base.scale)[:n])
@@ -205,13 +223,18 @@ def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, 5000, generator=gen) * 4
     logits[:, :50] = logits[:, 50:100]  # ties, at the top-k and top-p thresholds too
-    params = [SEEDED, GREEDY, dataclasses.replace(SEEDED, seed=5, top_p=1.0), SEEDED,
-              dataclasses.replace(SEEDED, top_k=0), GREEDY]
+    params = [
+        SEEDED,
+        GREEDY,
+        dataclasses.replace(SEEDED, seed=5, top_p=1.0),
+        SEEDED,
+        dataclasses.replace(SEEDED, top_k=0),
+        GREEDY,
+    ]
     sampler = Sampler()
 
     def sample(rows):
-        md = build_sampling_metadata([params[r] for r in rows], [[1]] * len(rows), [[2] * r for r in rows],
-                                     5000, "cpu")
+        md = build_sampling_metadata([params[r] for r in rows], [[1]] * len(rows), [[2] * r for r in rows], 5000, "cpu")
         out = sampler(logits[rows], md)
         return [(t, lp.logprob, lp.top) for t, lp in zip(out.sampled_token_ids.tolist(), out.logprobs)]
 
@@ -250,8 +273,14 @@ def test_bfloat16_streams_resume_bit_identically_after_an_executor_sigkill(engli
     from tests.servers import Servers
 
     jobs = [(f"{english_prompts[i % len(english_prompts)][: 30 + 9 * i]} ({i})", i) for i in range(8)]
-    with Servers(executor_args=["--dtype", "bfloat16", "--deterministic", "--kv-cache-gib", "0.5"],
-                 scheduler_args=["--executor-recovery-timeout", "180"]) as s, Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "bfloat16", "--deterministic", "--kv-cache-gib", "0.5"],
+            scheduler_args=["--executor-recovery-timeout", "180"],
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
+
         def run(job):
             prompt, i = job
             sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.9, seed=100 + i)

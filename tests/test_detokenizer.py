@@ -1,4 +1,5 @@
 """scheduler_svc.detokenizer: streamed deltas, held-back characters, stop strings."""
+
 import importlib.util
 
 import pytest
@@ -45,7 +46,7 @@ def run(tok, prompt, out_ids, chunks, stop=(), include=False, skip_special_token
     for size in list(chunks) + [len(out_ids)]:
         if pos >= len(out_ids) or detok.finished:
             break
-        delta = detok.add_tokens(out_ids[pos:pos + size])
+        delta = detok.add_tokens(out_ids[pos : pos + size])
         assert isinstance(delta, DetokenizerDelta)
         deltas.append(delta)
         pos += size
@@ -58,7 +59,7 @@ def expected_with_stops(text, stops, include):
     if not hits:
         return text, None
     end, start, stop = min(hits)
-    return text[:end if include else start], stop
+    return text[: end if include else start], stop
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -214,7 +215,9 @@ def test_stop_match_finishes_the_sample(tok):
 @_SETTINGS
 @given(
     text=st.text(alphabet=st.sampled_from(list("ab c\n中🎉")), min_size=1, max_size=30),
-    stops=st.lists(st.text(alphabet=st.sampled_from(list("ab c\n中🎉")), min_size=1, max_size=3), min_size=1, max_size=3),
+    stops=st.lists(
+        st.text(alphabet=st.sampled_from(list("ab c\n中🎉")), min_size=1, max_size=3), min_size=1, max_size=3
+    ),
     include=st.booleans(),
     data=st.data(),
 )

@@ -3,6 +3,7 @@
 Greedy outputs must equal Hugging Face transformers' greedy `generate` on the
 same GGUF weights in float32, token for token, for prompts sent concurrently.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ def client(servers):
 def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(input_ids):].tolist()
+    return out[0, len(input_ids) :].tolist()
 
 
 def test_greedy_outputs_match_hf_transformers(client, hf_smollm2, english_prompts):

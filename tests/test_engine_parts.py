@@ -33,11 +33,15 @@ def metrics() -> SchedulerMetrics:
 
 
 def finished_count(m: SchedulerMetrics, reason: str) -> float:
-    return m.registry.get_sample_value("pagedserve:request_success_total", {"model_name": "m", "finished_reason": reason})
+    return m.registry.get_sample_value(
+        "pagedserve:request_success_total", {"model_name": "m", "finished_reason": reason}
+    )
 
 
 def gen(request_id="x", n=1, stop=(), **kw) -> GenerationInput:
-    return GenerationInput(request_id, [1, 3], kw.pop("sampling", SamplingParams(temperature=0.0)), n, 8, stop=stop, **kw)
+    return GenerationInput(
+        request_id, [1, 3], kw.pop("sampling", SamplingParams(temperature=0.0)), n, 8, stop=stop, **kw
+    )
 
 
 def parts(max_waiting=100):
@@ -85,8 +89,12 @@ def test_a_stop_string_in_the_last_token_of_a_finished_sample_needs_no_abort():
 def test_finish_reasons_come_from_the_scheduler_and_a_failed_step_carries_its_error():
     intake, outputs, _, m = parts()
     handle = intake.submit(gen(n=2), None, None, "")
-    outputs.process([out("x#0", 4, finished=True, status=RequestStatus.FINISHED_LENGTH),
-                     out("x#1", None, finished=True, status=RequestStatus.FINISHED_ABORTED, error="kernel exploded")])
+    outputs.process(
+        [
+            out("x#0", 4, finished=True, status=RequestStatus.FINISHED_LENGTH),
+            out("x#1", None, finished=True, status=RequestStatus.FINISHED_ABORTED, error="kernel exploded"),
+        ]
+    )
     by_index = {msg.index: msg for msg in drain(handle)}
     assert by_index[0].finish_reason is FinishReason.LENGTH and by_index[0].text == " w4"
     assert (by_index[1].finish_reason, by_index[1].error) == (FinishReason.ABORT, "kernel exploded")
@@ -128,9 +136,23 @@ def test_an_abort_closes_only_this_handles_samples():
 
 
 INFO = ExecutorInfo(
-    model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(2,), bos_token_id=None,
-    max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="a", device="cpu",
-    attention_backend="fake", tokenizer_json="{}", chat_template="", bos_token="", eos_token="", add_bos_token=False,
+    model_name="fake",
+    architecture="llama",
+    vocab_size=VOCAB,
+    eos_token_ids=(2,),
+    bos_token_id=None,
+    max_model_len=512,
+    dtype="float32",
+    num_kv_blocks=64,
+    kv_cache_bytes=0,
+    instance_id="a",
+    device="cpu",
+    attention_backend="fake",
+    tokenizer_json="{}",
+    chat_template="",
+    bos_token="",
+    eos_token="",
+    add_bos_token=False,
 )
 
 
@@ -150,8 +172,9 @@ class ScriptedClient:
         self.closed += 1
 
 
-CONFIG = SimpleNamespace(block_size=4, max_num_batched_tokens=64, max_num_seqs=8, step_timeout_s=1.0,
-                         executor_recovery_timeout_s=0.0)
+CONFIG = SimpleNamespace(
+    block_size=4, max_num_batched_tokens=64, max_num_seqs=8, step_timeout_s=1.0, executor_recovery_timeout_s=0.0
+)
 
 
 def test_the_link_refuses_an_executor_that_came_back_with_another_model():
@@ -175,8 +198,9 @@ def test_reconnecting_past_the_recovery_timeout_expires_live_requests_then_adopt
         link.on_connection_change(changes.append)
         await link.connect(lambda info, previous: None)
         link.lost("test", live_requests=1)
-        await link.reconnect(lambda info, previous: adopted.append((info, previous)), live=lambda: 1,
-                             expire=lambda: expired.append(True))
+        await link.reconnect(
+            lambda info, previous: adopted.append((info, previous)), live=lambda: 1, expire=lambda: expired.append(True)
+        )
         assert expired == [True] and adopted == [(bigger, INFO)] and link.info is bigger
         assert changes == [True, False, True]
 

@@ -5,6 +5,7 @@ stream runs and the health service is probed every 200 ms with a 1 s timeout:
 every probe must answer and the stream must keep its pace. Before the fix one
 such request held the loop for seconds (the text alone ~3.5 s on the dev box).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,11 +35,15 @@ def big_requests(words: list[str]) -> list[tuple[str, object]]:
         text.append(word)
         size += len(word) + 1
     text = " ".join(text)
-    chat = pb.Chat(messages=[pb.ChatMessage(role=("user", "assistant")[i % 2], content=rng.choice(words))
-                             for i in range(200_000)])
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role=("user", "assistant")[i % 2], content=rng.choice(words)) for i in range(200_000)]
+    )
     ids = [rng.randrange(100, 40_000) for _ in range(1_200_000)]
-    return [("Tokenize", pb.TokenizeRequest(text=text)), ("Tokenize", pb.TokenizeRequest(chat=chat)),
-            ("Detokenize", pb.DetokenizeRequest(token_ids=ids))]
+    return [
+        ("Tokenize", pb.TokenizeRequest(text=text)),
+        ("Tokenize", pb.TokenizeRequest(chat=chat)),
+        ("Detokenize", pb.DetokenizeRequest(token_ids=ids)),
+    ]
 
 
 def test_health_and_streams_keep_going_while_large_requests_are_tokenized(english_prompts):
@@ -51,6 +56,7 @@ def test_health_and_streams_keep_going_while_large_requests_are_tokenized(englis
         health = health_pb2_grpc.HealthStub(probe_channel)
         stream = c.generate("Once upon a time", max_tokens=3000, ignore_eos=True, timeout=600)
         arrivals: list[float] = []
+
         def read() -> None:
             try:
                 for _ in stream:
@@ -67,8 +73,10 @@ def test_health_and_streams_keep_going_while_large_requests_are_tokenized(englis
         # this process's GIL and delay the probes on the client side.
         results, probes = {}, []
         raw = [(channel.unary_unary(f"/pagedserve.v1.Generation/{m}"), r.SerializeToString()) for m, r in requests]
-        heavy = [threading.Thread(target=lambda i=i, call=call, body=body: results.__setitem__(i, call(body, timeout=300)))
-                 for i, (call, body) in enumerate(raw)]
+        heavy = [
+            threading.Thread(target=lambda i=i, call=call, body=body: results.__setitem__(i, call(body, timeout=300)))
+            for i, (call, body) in enumerate(raw)
+        ]
         started = time.monotonic()
         for t in heavy:
             t.start()
@@ -86,11 +94,16 @@ def test_health_and_streams_keep_going_while_large_requests_are_tokenized(englis
         channel.close()
         probe_channel.close()
         assert len(results) == 3, "a large request failed"
-        assert pb.TokenizeResponse.FromString(results[0]).token_ids and pb.TokenizeResponse.FromString(results[1]).token_ids
+        assert (
+            pb.TokenizeResponse.FromString(results[0]).token_ids
+            and pb.TokenizeResponse.FromString(results[1]).token_ids
+        )
         assert pb.DetokenizeResponse.FromString(results[2]).text
         failed = [p for p in probes if not isinstance(p, float)]
-        print(f"{elapsed=:.1f}s probes={len(probes)} slowest probe={max(p for p in probes if isinstance(p, float)):.3f}s "
-              f"stream gap before={before * 1000:.0f}ms during max={max(during) * 1000:.0f}ms median={statistics.median(during) * 1000:.0f}ms")
+        print(
+            f"{elapsed=:.1f}s probes={len(probes)} slowest probe={max(p for p in probes if isinstance(p, float)):.3f}s "
+            f"stream gap before={before * 1000:.0f}ms during max={max(during) * 1000:.0f}ms median={statistics.median(during) * 1000:.0f}ms"
+        )
         assert not failed, f"{len(failed)} of {len(probes)} health probes failed within 1 s over {elapsed:.1f} s"
         # Old code: the text alone held the loop >3 s here. What remains on the shared
         # 2-core box is CPU contention (the tokenizer threads and the executor share

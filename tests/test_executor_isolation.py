@@ -9,6 +9,7 @@
   outside the vocabulary, fails its step with a clear error and leaves the
   other requests as they were.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,7 @@ def worker(tiny_model) -> Worker:
 
 # ---- another local user ------------------------------------------------------------------
 
+
 def as_nobody():
     pw = pwd.getpwnam("nobody")
 
@@ -78,9 +80,19 @@ def nobody_python() -> list[str]:
         if exe is None:
             continue
         try:
-            probe = subprocess.run([exe, "-c", "import sys, grpc, pagedserve.executor.v1.executor_pb2; "
-                                    f"sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})"],
-                                   preexec_fn=as_nobody(), env=env, cwd="/", capture_output=True, timeout=60)
+            probe = subprocess.run(
+                [
+                    exe,
+                    "-c",
+                    "import sys, grpc, pagedserve.executor.v1.executor_pb2; "
+                    f"sys.exit(sys.version_info[:2] != {tuple(sys.version_info[:2])})",
+                ],
+                preexec_fn=as_nobody(),
+                env=env,
+                cwd="/",
+                capture_output=True,
+                timeout=60,
+            )
         except OSError:  # nobody may not execute it
             continue
         if probe.returncode == 0:
@@ -89,8 +101,11 @@ def nobody_python() -> list[str]:
 
 
 def nobody_env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent",
-            "PYTHONPATH": os.pathsep.join([REPO, sysconfig.get_paths()["purelib"]])}
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": "/nonexistent",
+        "PYTHONPATH": os.pathsep.join([REPO, sysconfig.get_paths()["purelib"]]),
+    }
 
 
 INTRUDER = """
@@ -130,28 +145,58 @@ def test_another_local_user_cannot_handshake_or_step_a_default_executor(tiny_mod
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")  # the default secret location, inside this test's tmp dir
     log = open(tmp_path / "executor.log", "wb")
-    executor = subprocess.Popen([sys.executable, "-m", "executor_svc", "--listen", addr, "--model", tiny_model,
-                                 "--dtype", "float32", "--kv-cache-gib", "0.01"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    executor = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "executor_svc",
+            "--listen",
+            addr,
+            "--model",
+            tiny_model,
+            "--dtype",
+            "float32",
+            "--kv-cache-gib",
+            "0.01",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while health_status(addr) != health_pb2.HealthCheckResponse.SERVING:
-            assert executor.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "executor.log").read_text()[-2000:]
+            assert executor.poll() is None and time.monotonic() < deadline, (tmp_path / "executor.log").read_text()[
+                -2000:
+            ]
             time.sleep(0.2)
         secret_path = tmp_path / "state" / "pagedserve" / "executor-secret"
-        done = subprocess.run([*python, "-c", INTRUDER, addr, str(secret_path)], preexec_fn=as_nobody(),
-                              env=nobody_env(), cwd="/", capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [*python, "-c", INTRUDER, addr, str(secret_path)],
+            preexec_fn=as_nobody(),
+            env=nobody_env(),
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout)
-        assert seen == {"read_secret": "PermissionError",
-                        "handshake_no_token": "UNAUTHENTICATED", "step_no_token": "UNAUTHENTICATED",
-                        "handshake_guessed_token": "UNAUTHENTICATED", "step_guessed_token": "UNAUTHENTICATED"}
+        assert seen == {
+            "read_secret": "PermissionError",
+            "handshake_no_token": "UNAUTHENTICATED",
+            "step_no_token": "UNAUTHENTICATED",
+            "handshake_guessed_token": "UNAUTHENTICATED",
+            "step_guessed_token": "UNAUTHENTICATED",
+        }
         # The owner's own process, holding the secret, is served: the refusals above are the secret's doing.
         with grpc.insecure_channel(addr) as ch:
             resp = pb_grpc.ExecutorStub(ch).Handshake(
                 pb.HandshakeRequest(block_size_tokens=16, max_num_batched_tokens=64, max_num_seqs=4, scheduler_id="s"),
-                metadata=(("authorization", f"Bearer {installation_secret(str(secret_path.parent))}"),), timeout=60)
+                metadata=(("authorization", f"Bearer {installation_secret(str(secret_path.parent))}"),),
+                timeout=60,
+            )
         assert resp.num_kv_blocks > 0
     finally:
         executor.terminate()
@@ -161,20 +206,27 @@ def test_another_local_user_cannot_handshake_or_step_a_default_executor(tiny_mod
 
 # ---- a takeover by a second scheduler that holds the secret -------------------------------
 
+
 def new_request(rid: str, tokens: list[int], computed: int) -> NewRequestData:
     return NewRequestData(rid, tokens, len(tokens), GREEDY, [1, 2], computed, len(tokens) - computed)
 
 
 def decode(rid: str, computed: int, step_id: int) -> StepPlan:
-    return StepPlan(step_id, cached_requests=CachedRequestData([rid], [[]], [computed], [1]),
-                    last_result_step_id=step_id - 1)
+    return StepPlan(
+        step_id, cached_requests=CachedRequestData([rid], [[]], [computed], [1]), last_result_step_id=step_id - 1
+    )
 
 
 async def owner_session(stub, scheduler_id: str, first: StepPlan, decodes: int) -> list[int]:
     """Handshakes as `scheduler_id`, runs `first` then `decodes` decode steps of its one request; its tokens."""
     auth = (("authorization", f"Bearer {SECRET}"),)
-    await stub.Handshake(pb.HandshakeRequest(block_size_tokens=BLOCK, max_num_batched_tokens=64, max_num_seqs=4,
-                                             scheduler_id=scheduler_id), metadata=auth, timeout=60)
+    await stub.Handshake(
+        pb.HandshakeRequest(
+            block_size_tokens=BLOCK, max_num_batched_tokens=64, max_num_seqs=4, scheduler_id=scheduler_id
+        ),
+        metadata=auth,
+        timeout=60,
+    )
     call = stub.Step(metadata=auth + (("pagedserve-scheduler-id", scheduler_id),))
     new = first.new_requests[0]
     computed, out = new.num_computed_tokens + new.num_scheduled_tokens, []
@@ -210,8 +262,9 @@ def test_a_new_owner_with_the_secret_cannot_read_the_previous_owners_kv(worker, 
     victim, intruder, logs = asyncio.run(scenario())
     assert intruder != victim[1:], "the new owner read the previous owner's KV back"
     changes = [e for e in logs if e["event"] == "executor_owner_changed"]
-    assert [(e["log_level"], e["previous_scheduler_id"], e["scheduler_id"]) for e in changes] == \
-        [("warning", "victim-scheduler", "intruder-scheduler")]
+    assert [(e["log_level"], e["previous_scheduler_id"], e["scheduler_id"]) for e in changes] == [
+        ("warning", "victim-scheduler", "intruder-scheduler")
+    ]
 
 
 def test_every_handshake_zeroes_the_kv_memory_it_reuses(worker):
@@ -231,6 +284,7 @@ def test_serving_without_a_secret_is_refused(worker):
 
 
 # ---- malformed plans ---------------------------------------------------------------------
+
 
 def greedy_tokens(worker: Worker, bad_step=None) -> tuple[list[int], str]:
     """Request "b": prefill then 3 decodes, with `bad_step(step_id)`'s plan run after the prefill;
@@ -255,13 +309,17 @@ def test_misaligned_cached_request_arrays_fail_the_step_clearly(worker):
     def misaligned(step_id):
         cached = CachedRequestData(["ghost"], [[], []], [0], [])
         # Through the wire format: decoding keeps every array's length, nothing is truncated.
-        plan = plan_from_proto(plan_to_proto(StepPlan(step_id, cached_requests=cached, last_result_step_id=step_id - 1)))
+        plan = plan_from_proto(
+            plan_to_proto(StepPlan(step_id, cached_requests=cached, last_result_step_id=step_id - 1))
+        )
         assert plan.cached_requests == cached
         return plan
 
     tokens, error = greedy_tokens(worker, misaligned)
-    assert error == ("PlanError: cached_requests arrays must be aligned, one entry per request; got "
-                     "request_ids: 1, new_block_ids: 2, num_computed_tokens: 1, num_scheduled_tokens: 0")
+    assert error == (
+        "PlanError: cached_requests arrays must be aligned, one entry per request; got "
+        "request_ids: 1, new_block_ids: 2, num_computed_tokens: 1, num_scheduled_tokens: 0"
+    )
     assert tokens == reference  # "b", not in the bad step, decodes on as if nothing happened
 
 

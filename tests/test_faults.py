@@ -1,5 +1,6 @@
 """Faults lose nothing: executor SIGKILL mid-generation, recovery timeout, SIGTERM drain;
 an executor that comes back different; a second scheduler on one executor."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ def prompts(english_prompts: list[str], n: int) -> list[str]:
 
 def test_executor_sigkill_mid_generation_resumes_every_stream_identically(english_prompts):
     jobs = prompts(english_prompts, 32)
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "1"],
-                 scheduler_args=["--executor-recovery-timeout", "180"]) as s, Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "float32", "--kv-cache-gib", "1"],
+            scheduler_args=["--executor-recovery-timeout", "180"],
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
         run = lambda p: c.complete(p, max_tokens=20, temperature=0.0, ignore_eos=True, timeout=600)[0]
         with ThreadPoolExecutor(32) as pool:
             reference = list(pool.map(run, jobs))
@@ -52,8 +58,13 @@ def test_executor_sigkill_mid_generation_resumes_every_stream_identically(englis
 
 
 def test_executor_that_stays_away_fails_requests_with_unavailable():
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"],
-                 scheduler_args=["--executor-recovery-timeout", "1"]) as s, Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"],
+            scheduler_args=["--executor-recovery-timeout", "1"],
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
         stream = c.generate("Once upon a time", max_tokens=500, ignore_eos=True, timeout=60)
         next(stream)
         s.executor.send_signal(signal.SIGKILL)
@@ -67,8 +78,12 @@ def test_executor_that_stays_away_fails_requests_with_unavailable():
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero():
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"],
-                 scheduler_args=["--drain-timeout", "60"]) as s, Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"], scheduler_args=["--drain-timeout", "60"]
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
         results, errors = [], []
 
         def one(i):
@@ -131,8 +146,11 @@ def test_executor_back_with_another_kv_size_is_adopted():
         s.executor.wait()
         s.executor_args = ["--dtype", "float32", "--kv-cache-gib", "0.1"]
         s.start_executor()
-        wait_for(lambda: health_status(s.public_addr) == SERVING and c.server_status().kv_blocks_total != before,
-                 180, "serving with the new KV capacity")
+        wait_for(
+            lambda: health_status(s.public_addr) == SERVING and c.server_status().kv_blocks_total != before,
+            180,
+            "serving with the new KV capacity",
+        )
         assert abs(c.server_status().kv_blocks_total - before / 2) <= 2
         assert c.complete("Hello", max_tokens=4, temperature=0.0, ignore_eos=True)[0].completion_tokens == 4
         assert "executor_capacity_changed" in s.logs("scheduler")
@@ -165,8 +183,13 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
             stub = epb_grpc.ExecutorStub(ch)
 
             def handshake(sid):
-                return stub.Handshake(epb.HandshakeRequest(block_size_tokens=16, max_num_batched_tokens=64,
-                                                           max_num_seqs=4, scheduler_id=sid), timeout=30, metadata=auth)
+                return stub.Handshake(
+                    epb.HandshakeRequest(
+                        block_size_tokens=16, max_num_batched_tokens=64, max_num_seqs=4, scheduler_id=sid
+                    ),
+                    timeout=30,
+                    metadata=auth,
+                )
 
             def refused(call) -> bool:
                 try:
@@ -186,8 +209,13 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
             t0 = time.monotonic()
             assert refused(lambda: handshake("B"))  # after the 2 s grace: A's stream stays open
             assert time.monotonic() - t0 >= 1.5
-            assert refused(lambda: list(stub.Step(iter([epb.StepPlan(step_id=1)]),
-                                                  metadata=auth + (("pagedserve-scheduler-id", "B"),), timeout=10)))
+            assert refused(
+                lambda: list(
+                    stub.Step(
+                        iter([epb.StepPlan(step_id=1)]), metadata=auth + (("pagedserve-scheduler-id", "B"),), timeout=10
+                    )
+                )
+            )
             # A reconnects (its old stream possibly half-open): at once, and the old stream ends.
             t0 = time.monotonic()
             handshake("A")
@@ -200,7 +228,9 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
             handshake("B")
             plans.put(None)
             changes = [json.loads(line) for line in s.logs("executor").splitlines() if "executor_owner_changed" in line]
-            assert [(c["level"], c["previous_scheduler_id"], c["scheduler_id"]) for c in changes] == [("warning", "A", "B")]
+            assert [(c["level"], c["previous_scheduler_id"], c["scheduler_id"]) for c in changes] == [
+                ("warning", "A", "B")
+            ]
     finally:
         s.stop()
 
@@ -208,9 +238,13 @@ def test_executor_ownership_one_scheduler_reconnects_at_once_others_are_refused(
 def test_stopped_executor_goes_not_serving_then_unavailable_then_back():
     """SIGSTOP breaks no connection: only the step watchdog (--step-timeout) notices."""
     step_timeout_s, recovery_s = 2.0, 3.0
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"],
-                 scheduler_args=["--step-timeout", str(step_timeout_s), "--executor-recovery-timeout", str(recovery_s)]) as s, \
-            Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "float32", "--kv-cache-gib", "0.2"],
+            scheduler_args=["--step-timeout", str(step_timeout_s), "--executor-recovery-timeout", str(recovery_s)],
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
         stream = c.generate("Once upon a time", max_tokens=400, ignore_eos=True, timeout=120)
         next(stream)
         s.executor.send_signal(signal.SIGSTOP)

@@ -1,6 +1,7 @@
 """The fused native RMSNorm, rotary embedding and SwiGLU gate
 (executor_svc/fused_ops.py) against the model's plain-torch versions,
 computed in float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,12 @@ def test_rms_norm_matches_reference(rows, dim):
 def test_rms_norm_reads_row_strided_input():
     gen = torch.Generator().manual_seed(0)
     wide, w = torch.randn(9, 80, generator=gen), torch.randn(64, generator=gen)
-    torch.testing.assert_close(fused_ops.rms_norm(wide[:, :64], w, 1e-6).double(),
-                               reference_rms_norm(wide[:, :64], w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused_ops.rms_norm(wide[:, :64], w, 1e-6).double(),
+        reference_rms_norm(wide[:, :64], w, 1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 17, 300])
@@ -66,8 +71,9 @@ def test_rope_in_place_on_a_fused_qkv_view(tokens, heads, dim):
     sin_signed = torch.cat((-angles.sin(), angles.sin()), dim=-1)
     out = fused_ops.rope_(qkv[:, :heads], cos, sin_signed)
     assert out.data_ptr() == qkv.data_ptr()
-    torch.testing.assert_close(qkv[:, :heads].double(), reference_rope(before[:, :heads], cos, sin_signed),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        qkv[:, :heads].double(), reference_rope(before[:, :heads], cos, sin_signed), rtol=1e-6, atol=1e-6
+    )
     assert torch.equal(qkv[:, heads:], before[:, heads:])
 
 
@@ -106,8 +112,9 @@ def test_silu_mul_saturates_to_finite_values():
 def test_silu_mul_reads_row_strided_input():
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(6, 100, generator=gen)
-    torch.testing.assert_close(fused_ops.silu_mul(wide[:, :64]).double(), reference_silu_mul(wide[:, :64]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        fused_ops.silu_mul(wide[:, :64]).double(), reference_silu_mul(wide[:, :64]), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_available_only_for_float32_cpu():

@@ -4,6 +4,7 @@ messages, token files that would weaken authentication.
 A stand-in Generation servicer runs in process behind the real interceptors,
 in the order scheduler_svc/__main__.py installs them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,15 +29,22 @@ C = grpc.StatusCode
 class Echo(pb_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
         if request.text == "pre-serialized":  # two serialized parts: their concatenation is their merge
-            return pb.TokenizeResponse(token_ids=[1]).SerializeToString() + pb.TokenizeResponse(token_ids=[2]).SerializeToString()
+            return (
+                pb.TokenizeResponse(token_ids=[1]).SerializeToString()
+                + pb.TokenizeResponse(token_ids=[2]).SerializeToString()
+            )
         return pb.TokenizeResponse(token_ids=[len(request.text)])
 
     async def Generate(self, request, context):
         yield pb.GenerateResponse(request_id=request.request_id)
 
 
-async def call(method: str, raw: bytes, metadata=(), stream: bool = False, answers: list | None = None) -> grpc.StatusCode:
-    server = grpc.aio.server(interceptors=[BearerAuthInterceptor(TokenTable((TOKEN, ADMIN), (ADMIN,))), CodecInterceptor()])
+async def call(
+    method: str, raw: bytes, metadata=(), stream: bool = False, answers: list | None = None
+) -> grpc.StatusCode:
+    server = grpc.aio.server(
+        interceptors=[BearerAuthInterceptor(TokenTable((TOKEN, ADMIN), (ADMIN,))), CodecInterceptor()]
+    )
     pb_grpc.add_GenerationServicer_to_server(Echo(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -70,7 +78,9 @@ def test_bearer_scheme_is_case_insensitive(header):
     assert code(TOKENIZE, metadata=bearer(header)) == C.OK
 
 
-@pytest.mark.parametrize("header", [f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", TOKEN, f"Bearer{TOKEN}", "Bearer ", ""])
+@pytest.mark.parametrize(
+    "header", [f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", TOKEN, f"Bearer{TOKEN}", "Bearer ", ""]
+)
 def test_wrong_tokens_and_schemes_are_refused(header):
     assert code(TOKENIZE, metadata=bearer(header)) == C.UNAUTHENTICATED
 
@@ -115,6 +125,7 @@ def test_token_table_names_callers_without_revealing_tokens():
 
 
 # ---- token files: fail closed, one line naming the file ------------------------------------
+
 
 @pytest.mark.parametrize("content", ["", "\n\n", "# only a comment\n"])
 @pytest.mark.parametrize("flag", ["--auth-tokens-file", "--executor-auth-token-file"])

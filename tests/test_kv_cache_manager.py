@@ -2,6 +2,7 @@
 
 Block size 4 throughout; blocks are numbered as the pool hands them out.
 """
+
 from __future__ import annotations
 
 import pytest

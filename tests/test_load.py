@@ -9,6 +9,7 @@ finish reason and usage that matches what it received; after each wave the
 engine holds no KV block and no request, and the scheduler's memory after the
 second wave is within a bound of what it was after the first (warm-up) wave.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,14 @@ async def run_one(client: AsyncClient, spec: Spec) -> Outcome:
     out = Outcome(spec, "finished")
 
     async def consume():
-        async for msg in client.generate(token_ids=list(spec.prompt), max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
-                                         temperature=0.8, seed=spec.seed, timeout=spec.deadline_s or WAVE_TIMEOUT_S):
+        async for msg in client.generate(
+            token_ids=list(spec.prompt),
+            max_tokens=spec.max_tokens,
+            ignore_eos=spec.ignore_eos,
+            temperature=0.8,
+            seed=spec.seed,
+            timeout=spec.deadline_s or WAVE_TIMEOUT_S,
+        ):
             out.tokens += len(msg.token_ids)
             if msg.finish_reason:
                 out.last = msg
@@ -127,7 +134,9 @@ def check_outcomes(outcomes: list[Outcome]) -> collections.Counter:
         if o.kind != "finished":
             continue
         assert o.last is not None, f"stream ended without a finish reason: {s}"
-        assert o.last.usage.completion_tokens == o.tokens, f"usage says {o.last.usage.completion_tokens}, got {o.tokens}"
+        assert o.last.usage.completion_tokens == o.tokens, (
+            f"usage says {o.last.usage.completion_tokens}, got {o.tokens}"
+        )
         assert o.last.usage.prompt_tokens == len(s.prompt)
         assert o.last.finish_reason in (LENGTH, STOP)
         if o.last.finish_reason == LENGTH or s.ignore_eos:
@@ -156,12 +165,16 @@ async def wait_idle(client: AsyncClient, timeout: float = 10.0) -> pb.ServerStat
 
 @pytest.fixture(scope="module")
 def servers():
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"], scheduler_args=["--max-num-seqs", "256"]) as s:
+    with Servers(
+        executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5"], scheduler_args=["--max-num-seqs", "256"]
+    ) as s:
         yield s
 
 
 def test_256_concurrent_streams_with_cancels_and_deadlines_leave_no_trace(servers):
-    text = " ".join(" ".join(m.__doc__.split()) for m in (json, logging, argparse, textwrap, threading, collections, random))
+    text = " ".join(
+        " ".join(m.__doc__.split()) for m in (json, logging, argparse, textwrap, threading, collections, random)
+    )
     with Client(servers.public_addr) as c:
         text_ids = c.tokenize(text, add_special_tokens=False)
     assert len(text_ids) > 600
@@ -175,7 +188,9 @@ def test_256_concurrent_streams_with_cancels_and_deadlines_leave_no_trace(server
                 start = time.monotonic()
                 kinds = check_outcomes(await wave(clients, specs))
                 await wait_idle(clients[0])
-                report.append((name, round(time.monotonic() - start, 1), dict(kinds), round(rss_mb(servers.scheduler.pid), 1)))
+                report.append(
+                    (name, round(time.monotonic() - start, 1), dict(kinds), round(rss_mb(servers.scheduler.pid), 1))
+                )
             return report
         finally:
             for c in clients:
@@ -183,4 +198,6 @@ def test_256_concurrent_streams_with_cancels_and_deadlines_leave_no_trace(server
 
     (_, _, _, rss_warm), (_, _, _, rss_end) = report = asyncio.run(main())
     print("waves (name, seconds, outcomes, scheduler RSS MB):", report)
-    assert rss_end - rss_warm < RSS_GROWTH_LIMIT_MB, f"scheduler RSS grew {rss_end - rss_warm:.1f} MB over an identical wave"
+    assert rss_end - rss_warm < RSS_GROWTH_LIMIT_MB, (
+        f"scheduler RSS grew {rss_end - rss_warm:.1f} MB over an identical wave"
+    )

@@ -2,6 +2,7 @@
 the measurement around the profiling step (with torch.cuda's counters faked),
 and the profiling step itself, a real forward pass and sampling at the
 scheduler's default limits on a tiny random model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +47,9 @@ def greedy(worker: Worker, prompt: list[int], steps: int) -> list[int]:
     out = [runner.execute(StepPlan(1, [new])).sampled["r"]]
     for step in range(2, steps + 1):
         computed = runner.requests["r"].num_computed_tokens
-        out.append(runner.execute(StepPlan(step, cached_requests=CachedRequestData(["r"], [[]], [computed], [1])))
-                   .sampled["r"])
+        out.append(
+            runner.execute(StepPlan(step, cached_requests=CachedRequestData(["r"], [[]], [computed], [1]))).sampled["r"]
+        )
     return out
 
 
@@ -70,8 +72,13 @@ def test_budget_is_the_capped_card_less_weights_activations_and_non_torch_memory
 
 def test_configure_refuses_a_card_with_nothing_left(tiny_model, monkeypatch):
     worker = make_worker(tiny_model)
-    budget = kv_budget_bytes(total_bytes=24 * GIB, utilization=0.5, baseline_bytes=10 * GIB,
-                             peak_activation_bytes=2 * GIB, non_torch_bytes=GIB // 2)
+    budget = kv_budget_bytes(
+        total_bytes=24 * GIB,
+        utilization=0.5,
+        baseline_bytes=10 * GIB,
+        peak_activation_bytes=2 * GIB,
+        non_torch_bytes=GIB // 2,
+    )
     assert budget < 0
     monkeypatch.setattr(worker, "_kv_budget_bytes", lambda *args: budget)
     with pytest.raises(ValueError, match=r"no GPU memory left for the KV cache: raise --gpu-memory-utilization"):
@@ -79,15 +86,18 @@ def test_configure_refuses_a_card_with_nothing_left(tiny_model, monkeypatch):
     assert not worker.configured
 
 
-@pytest.mark.parametrize(("max_tokens", "max_seqs", "max_model_len"), [
-    (2048, 256, 256),  # the scheduler's defaults on the tiny model
-    (2048, 256, 8192),
-    (8192, 4, 4096),
-    (2048, 1, 256),  # one request cannot take more than max_model_len
-    (100, 256, 4096),  # fewer tokens than requests: one token each
-    (1, 1, 1),
-    (0, 0, 16),  # nonsense limits still make a valid one-token step
-])
+@pytest.mark.parametrize(
+    ("max_tokens", "max_seqs", "max_model_len"),
+    [
+        (2048, 256, 256),  # the scheduler's defaults on the tiny model
+        (2048, 256, 8192),
+        (8192, 4, 4096),
+        (2048, 1, 256),  # one request cannot take more than max_model_len
+        (100, 256, 4096),  # fewer tokens than requests: one token each
+        (1, 1, 1),
+        (0, 0, 16),  # nonsense limits still make a valid one-token step
+    ],
+)
 def test_the_dummy_step_is_the_largest_the_scheduler_may_send(max_tokens, max_seqs, max_model_len):
     lengths = dummy_prompt_lengths(max_tokens, max_seqs, max_model_len)
     assert sum(lengths) == max(1, min(max_tokens, max_seqs * max_model_len))
@@ -122,8 +132,14 @@ def test_the_measured_peak_counts_activations_but_not_the_dummy_kv_blocks(tiny_m
     dummy_kv = dummy_kv_bytes(worker, MAX_TOKENS, MAX_SEQS)
     baseline, activations = 5 * GIB, 700 << 20
     # 9 GiB in use on a 16 GiB card, of which torch holds 8: 1 GiB is not torch's.
-    fake_cuda(monkeypatch, total=16 * GIB, free=7 * GIB, reserved=8 * GIB, baseline=baseline,
-              peak=baseline + dummy_kv + activations)
+    fake_cuda(
+        monkeypatch,
+        total=16 * GIB,
+        free=7 * GIB,
+        reserved=8 * GIB,
+        baseline=baseline,
+        peak=baseline + dummy_kv + activations,
+    )
     recorder = _Recorder()
     monkeypatch.setattr(memory_profile, "log", recorder)
     budget = cuda_kv_budget(worker.model, BLOCK_SIZE, worker.kv_dtype, MAX_TOKENS, MAX_SEQS, worker.max_model_len, 0.9)
@@ -151,10 +167,13 @@ def test_a_step_that_does_not_fit_names_the_scheduler_limits(tiny_model, monkeyp
 
 
 @pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
-@pytest.mark.parametrize(("max_tokens", "max_seqs"), [
-    (MAX_TOKENS, MAX_SEQS),  # prefills only: a 256-token one and 255 of 7 or 8 tokens
-    (300, MAX_SEQS),  # a 45-token prefill and 255 one-token rows, which the backends run as decodes
-])
+@pytest.mark.parametrize(
+    ("max_tokens", "max_seqs"),
+    [
+        (MAX_TOKENS, MAX_SEQS),  # prefills only: a 256-token one and 255 of 7 or 8 tokens
+        (300, MAX_SEQS),  # a 45-token prefill and 255 one-token rows, which the backends run as decodes
+    ],
+)
 def test_profile_run_then_the_worker_serves_as_before(tiny_model, attention_backend, max_tokens, max_seqs):
     profiled, fresh = make_worker(tiny_model, attention_backend), make_worker(tiny_model, attention_backend)
     dummy_kv = profile_run(profiled.model, BLOCK_SIZE, profiled.kv_dtype, max_tokens, max_seqs, profiled.max_model_len)

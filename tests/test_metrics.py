@@ -1,4 +1,5 @@
 """Both /metrics endpoints, scraped during and after real traffic."""
+
 from __future__ import annotations
 
 import threading
@@ -34,14 +35,21 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_metrics_move_with_traffic():
     sched_port, exec_port = free_port(), free_port()
-    with Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5", "--metrics-listen", f"127.0.0.1:{exec_port}"],
-                 scheduler_args=["--metrics-listen", f"127.0.0.1:{sched_port}"]) as s, Client(s.public_addr) as c:
+    with (
+        Servers(
+            executor_args=["--dtype", "float32", "--kv-cache-gib", "0.5", "--metrics-listen", f"127.0.0.1:{exec_port}"],
+            scheduler_args=["--metrics-listen", f"127.0.0.1:{sched_port}"],
+        ) as s,
+        Client(s.public_addr) as c,
+    ):
         before = scrape(sched_port)
         assert before["pagedserve:kv_cache_blocks_total"] > 0
         assert before["pagedserve:num_requests_running"] == 0
         assert before["pagedserve:executor_connected"] == 1
 
-        long = threading.Thread(target=lambda: c.complete("Count slowly:", max_tokens=120, ignore_eos=True, timeout=300))
+        long = threading.Thread(
+            target=lambda: c.complete("Count slowly:", max_tokens=120, ignore_eos=True, timeout=300)
+        )
         long.start()
         deadline = time.monotonic() + 60
         during = scrape(sched_port)
@@ -82,6 +90,7 @@ def test_metrics_move_with_traffic():
             assert time.monotonic() < deadline, "the abort was never counted"
             time.sleep(0.05)
         aborted = scrape(sched_port)
-        assert aborted["pagedserve:prompt_tokens_total"] - after["pagedserve:prompt_tokens_total"] == \
-            len(c.tokenize("Abandon me:"))
+        assert aborted["pagedserve:prompt_tokens_total"] - after["pagedserve:prompt_tokens_total"] == len(
+            c.tokenize("Abandon me:")
+        )
         assert aborted["pagedserve:request_prompt_tokens_count"] == after["pagedserve:request_prompt_tokens_count"] + 1

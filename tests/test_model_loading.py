@@ -1,5 +1,6 @@
 """Loading: HF folders (single and sharded safetensors), GGUF files, configs, and
 the tokenizer description the scheduler receives."""
+
 from __future__ import annotations
 
 import json
@@ -113,8 +114,12 @@ def test_unsupported_architecture_is_named(tmp_path):
 )
 def test_unsupported_config_features_are_named(change, message):
     base = {
-        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2,
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
     }
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config({**base, **change})
@@ -122,25 +127,50 @@ def test_unsupported_config_features_are_named(change, message):
 
 def test_transformers4_config_spelling():
     # A Llama 3.1 config.json as the hub has it: rope_theta beside rope_scaling, eos list.
-    config = ModelConfig.from_hf_config({
-        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "eos_token_id": [128001, 128008, 128009], "head_dim": None,
-    })
+    config = ModelConfig.from_hf_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "eos_token_id": [128001, 128008, 128009],
+            "head_dim": None,
+        }
+    )
     assert config.rope_theta == 500000.0 and config.rope_scaling["factor"] == 8.0
     assert config.eos_token_ids == (128001, 128008, 128009)
     assert (config.head_dim, config.num_key_value_heads) == (4, 2)
-    old_linear = {"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-                  "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    old_linear = {
+        "model_type": "qwen2",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
     assert ModelConfig.from_hf_config(old_linear).rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
 def test_short_sliding_window_caps_context():
     base = {
-        "model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 32768,
     }
     assert ModelConfig.from_hf_config({**base, "sliding_window": 4096}).max_position_embeddings == 4096
     assert ModelConfig.from_hf_config({**base, "sliding_window": None}).max_position_embeddings == 32768
@@ -148,9 +178,14 @@ def test_short_sliding_window_caps_context():
     assert ModelConfig.from_hf_config(qwen).max_position_embeddings == 32768
 
 
-@pytest.mark.parametrize("bad, error", [("nope.gguf", "does not exist"),
-                                        ("folder_without_config", "expected a .gguf file or a folder with config.json"),
-                                        ("weights.bin", "expected a .gguf file or a folder with config.json")])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ("nope.gguf", "does not exist"),
+        ("folder_without_config", "expected a .gguf file or a folder with config.json"),
+        ("weights.bin", "expected a .gguf file or a folder with config.json"),
+    ],
+)
 def test_unloadable_path_is_a_clear_error(tmp_path, bad, error):
     (tmp_path / "folder_without_config").mkdir()
     (tmp_path / "weights.bin").write_bytes(b"\0")

@@ -6,6 +6,7 @@ cache, one prompt at a time; ours batches prompts, splits a prefill into two
 chunks and reuses another request's cached prefix blocks, none of which may
 change a token.
 """
+
 from __future__ import annotations
 
 import pytest

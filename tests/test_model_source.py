@@ -4,6 +4,7 @@ The cache is built the way huggingface_hub lays it out:
 `<cache>/models--org--tiny/refs/main` names a commit, and
 `<cache>/models--org--tiny/snapshots/<commit>/` holds the files.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,10 +49,13 @@ def test_paths_and_the_embedded_model_pass_through(tmp_path):
         resolve_model(str(tmp_path), "main")
 
 
-@pytest.mark.parametrize("model, message", [
-    ("org/missing", "not in the Hugging Face cache"),
-    ("/no/such/model.gguf", "no such file or folder"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("org/missing", "not in the Hugging Face cache"),
+        ("/no/such/model.gguf", "no such file or folder"),
+    ],
+)
 def test_a_missing_model_is_one_clear_message(tmp_path, model, message):
     make_cache(str(tmp_path))
     with pytest.raises(ModelNotFound, match=message) as info:
@@ -67,8 +71,14 @@ def test_repo_id_grammar():
 def test_the_executor_reports_a_missing_model_in_one_line(tmp_path):
     """HF_HUB_CACHE and HF_HUB_OFFLINE as a user sets them; exit 1 and one log line, no traceback."""
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1", "PAGEDSERVE_LOG_JSON": "1"}
-    out = subprocess.run([sys.executable, "-m", "executor_svc", "--model", "org/missing", "--listen",
-                          f"unix://{tmp_path}/x.sock"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "executor_svc", "--model", "org/missing", "--listen", f"unix://{tmp_path}/x.sock"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if "org/missing" in line]

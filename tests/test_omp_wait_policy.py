@@ -5,6 +5,7 @@ so the behavioural test runs a fresh interpreter: after a parallel torch op,
 an idle thread under `active` keeps spinning (CPU time while the process only
 sleeps), under `passive` it sleeps.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ def test_default_is_the_runtimes_and_the_flag_and_env_choose():
 def test_the_policy_reaches_the_openmp_runtime():
     def idle_cpu_s(policy: str) -> float:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        out = subprocess.run([sys.executable, "-c", IDLE_CPU, policy], env=env, capture_output=True, text=True,
-                             timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", IDLE_CPU, policy], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
         return float(out.stdout.split()[-1])
 
     # 0.5 s asleep: a spinning thread burns about that much CPU, a sleeping one none.

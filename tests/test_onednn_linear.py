@@ -1,6 +1,7 @@
 """oneDNN's bf16 GEMM for the larger row counts of a widened bfloat16 model
 (CPUs with native bf16; this file forces it on any CPU, where oneDNN emulates
 bf16: slower there, but the same arithmetic)."""
+
 from __future__ import annotations
 
 import pytest
@@ -72,6 +73,7 @@ def test_calibrate_picks_the_smallest_row_count_from_which_onednn_always_wins(mo
         def run(x):
             rows = x.shape[0]
             clock.now += 1.0 if rows in (8, 32) else 4.0 if rows >= 64 else 3.0
+
         return run
 
     monkeypatch.setattr(onednn_linear, "linear", fake_onednn)

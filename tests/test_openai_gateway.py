@@ -5,6 +5,7 @@ One scheduler for the module, started with a bearer token: every call passes it
 through the gateway, and the auth tests check that a wrong or missing one is
 refused by the scheduler behind it.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,22 @@ def start_gateway(scheduler: str, log_path: str, *args: str) -> tuple[subprocess
     port = free_port()
     log = open(log_path, "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openai_gateway", "--listen", f"127.0.0.1:{port}", "--scheduler", scheduler,
-         "--log-level", "warning", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "openai_gateway",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--scheduler",
+            scheduler,
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -76,8 +91,14 @@ def servers():
 
 @pytest.fixture(scope="module")
 def base(servers):
-    proc, url = start_gateway(servers.public_addr, os.path.join(servers.tmp, "gateway.log"), "--served-model-name", "m",
-                              "--allowed-origins", "https://app.example")
+    proc, url = start_gateway(
+        servers.public_addr,
+        os.path.join(servers.tmp, "gateway.log"),
+        "--served-model-name",
+        "m",
+        "--allowed-origins",
+        "https://app.example",
+    )
     yield url
     stop(proc)
 
@@ -112,30 +133,46 @@ def test_translated_requests_build_grpc_requests():
     req = build_request(**t.prompts[0], **t.kwargs)
     assert list(req.token_ids.ids) == [1, 2, 3] and req.sampling.n == 2 and req.sampling.seed == 5
     assert list(req.stopping.stop) == ["x"] and req.sampling.logprobs == 1 and req.stopping.max_tokens == 16
-    t = chat_request({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
-                      "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3})
+    t = chat_request(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
+            "max_completion_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+    )
     req = build_request(**t.prompts[0], **t.kwargs)
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief.")]
     assert req.stopping.max_tokens == 7 and req.sampling.logprobs == 3 and not req.stopping.HasField("min_tokens")
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "prompt": []}, "prompt"),
-    ({"model": "m", "prompt": ["a", 3]}, "prompt"),
-    ({"model": "m", "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
-    ({"model": "m", "prompt": "a", "max_tokens": -1}, "max_tokens"),
-    ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
-    ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "a"}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": ["a", 3]}, "prompt"),
+        ({"model": "m", "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ({"model": "m", "prompt": "a", "max_tokens": -1}, "max_tokens"),
+        ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a"}, "model"),
+    ],
+)
 def test_untranslatable_requests_name_the_parameter(body, param):
     with pytest.raises(APIError) as e:
         completion_request(body)
     assert e.value.status == 400 and e.value.param == param
 
 
-@pytest.mark.parametrize("message, ok", [({"role": "user"}, False), ({"role": "user", "content": None}, False),
-                                         ({"role": "assistant", "content": None}, True)])
+@pytest.mark.parametrize(
+    "message, ok",
+    [
+        ({"role": "user"}, False),
+        ({"role": "user", "content": None}, False),
+        ({"role": "assistant", "content": None}, True),
+    ],
+)
 def test_only_an_assistant_turn_may_lack_content(message, ok):
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}, message]}
     if ok:
@@ -159,11 +196,17 @@ def test_models_lists_the_served_name_and_404s_others(oai):
     assert oai.models.retrieve("m").id == "m"
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")
-    for call in (lambda: oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2),
-                 lambda: oai.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2, stream=True)):
+    for call in (
+        lambda: oai.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2),
+        lambda: oai.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2, stream=True),
+    ):
         with pytest.raises(openai.NotFoundError) as e:
             call()
-        assert e.value.code == "model_not_found" and e.value.param == "model" and "`gpt-4` does not exist" in e.value.message
+        assert (
+            e.value.code == "model_not_found"
+            and e.value.param == "model"
+            and "`gpt-4` does not exist" in e.value.message
+        )
 
 
 def test_completion_stream_joins_to_the_non_streaming_text(oai):
@@ -182,15 +225,21 @@ def test_completion_stream_joins_to_the_non_streaming_text(oai):
 
 def test_chat_stream_with_usage_matches_non_streaming(oai):
     whole = oai.chat.completions.create(model="m", messages=CHAT, max_completion_tokens=12, temperature=0)
-    chunks = list(oai.chat.completions.create(model="m", messages=CHAT, max_tokens=12, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model="m", messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     msg = whole.choices[0].message
     assert msg.role == "assistant" and msg.content
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     *body, last = chunks
     assert last.choices == [] and all(c.usage is None for c in body)
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
 
 
 def test_n2_with_seed_is_reproducible_streaming_or_not(oai):
@@ -209,10 +258,10 @@ def test_n2_with_seed_is_reproducible_streaming_or_not(oai):
 
 def test_stop_string_cuts_the_text(oai):
     base = oai.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
-    stop = base[len(base) // 2:len(base) // 2 + 2]
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert len(stop) == 2, f"greedy text too short to pick a stop string: {base!r}"
     got = oai.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0, stop=["zzzz", stop]).choices[0]
-    assert got.finish_reason == "stop" and got.text == base[:base.find(stop)]
+    assert got.finish_reason == "stop" and got.text == base[: base.find(stop)]
     single = oai.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop).choices[0]
     assert single.text == got.text
 
@@ -224,7 +273,9 @@ def test_logprobs_completion_and_chat(oai):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and top[token] == logprob and max(top.values()) == logprob  # greedy: the argmax
-    chat = oai.chat.completions.create(model="m", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    chat = oai.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     for e in content:
@@ -258,8 +309,12 @@ def test_bearer_token_is_passed_through(base):
         wrong.models.list()
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="m", prompt=PROMPT, max_tokens=2, stream=True)
-    status, body = http("POST", base + "/v1/chat/completions", json.dumps({"model": "m", "messages": CHAT}).encode(),
-                        {"Content-Type": "application/json"})
+    status, body = http(
+        "POST",
+        base + "/v1/chat/completions",
+        json.dumps({"model": "m", "messages": CHAT}).encode(),
+        {"Content-Type": "application/json"},
+    )
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
 
 
@@ -314,8 +369,10 @@ def test_echo_prepends_the_prompt(oai, grpc_client):
     ids = grpc_client.tokenize(" Paris is", add_special_tokens=False)
     by_ids = oai.completions.create(model="m", prompt=ids, max_tokens=2, temperature=0, echo=True).choices[0].text
     assert by_ids.startswith(" Paris is")
-    streamed = "".join(c.choices[0].text for c in oai.completions.create(
-        model="m", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in oai.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True)
+    )
     assert streamed == echoed
 
 
@@ -326,7 +383,9 @@ def test_tokenize_detokenize_and_version(base, grpc_client):
     assert body["max_model_len"] == grpc_client.model_info().max_model_len_tokens
     status, chat = http("POST", base + "/tokenize", json.dumps({"messages": CHAT}).encode(), auth)
     assert status == 200 and chat["count"] > len(grpc_client.tokenize(CHAT[0]["content"]))  # the template's tokens
-    status, back = http("POST", base + "/detokenize", json.dumps({"model": "m", "tokens": body["tokens"]}).encode(), auth)
+    status, back = http(
+        "POST", base + "/detokenize", json.dumps({"model": "m", "tokens": body["tokens"]}).encode(), auth
+    )
     assert status == 200 and back["prompt"] == PROMPT
     status, bad = http("POST", base + "/detokenize", json.dumps({"tokens": [10**9]}).encode(), auth)
     assert status == 400 and bad["error"]["param"] == "tokens"
@@ -339,9 +398,15 @@ def test_tokenize_detokenize_and_version(base, grpc_client):
 
 def test_cors_allows_only_the_configured_origin(base):
     def preflight(origin: str) -> tuple[int, dict]:
-        req = urllib.request.Request(base + "/v1/chat/completions", method="OPTIONS", headers={
-            "Origin": origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            method="OPTIONS",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, dict(r.headers)
@@ -352,7 +417,9 @@ def test_cors_allows_only_the_configured_origin(base):
     assert status == 200 and headers["access-control-allow-origin"] == "https://app.example"
     status, headers = preflight("https://evil.example")
     assert status == 400 and "access-control-allow-origin" not in headers
-    with urllib.request.urlopen(urllib.request.Request(base + "/health", headers={"Origin": "https://app.example"})) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(base + "/health", headers={"Origin": "https://app.example"})
+    ) as r:
         assert r.headers["access-control-allow-origin"] == "https://app.example"
 
 
@@ -364,7 +431,12 @@ def test_metrics_404_without_upstream(base):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_refused_prompt_in_a_list_cancels_the_others(oai, grpc_client, stream):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model="m", prompt=["Tell me a long story.", [10**6]], max_tokens=2000, stream=stream,
-                               extra_body={"ignore_eos": True})
+        oai.completions.create(
+            model="m",
+            prompt=["Tell me a long story.", [10**6]],
+            max_tokens=2000,
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
     assert e.value.param == "prompt"
     assert wait_idle(grpc_client, timeout=5.0), "the valid prompt went on generating for nobody"

@@ -1,5 +1,6 @@
 """Structured output and tool calling in the OpenAI gateway: translation and the Hermes
 tool-call parser alone, then the official `openai` client against live processes."""
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,32 @@ from pagedserve_client import build_request
 from tests.servers import Servers
 from tests.test_openai_gateway import start_gateway, stop
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Current time in a timezone",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
-                   "required": ["tz"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "maxLength": 20}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -45,8 +63,9 @@ def chat(**body):
 
 def test_response_format_and_guided_params_become_constraints():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req = request_of(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
-                                                                                        "strict": True}}))
+    req = request_of(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    )
     assert json.loads(req.constraint.json_schema) == schema
     assert request_of(chat(response_format={"type": "json_object"})).constraint.json_object
     assert not request_of(chat(response_format={"type": "text"})).HasField("constraint")
@@ -60,16 +79,22 @@ def test_response_format_and_guided_params_become_constraints():
     assert request_of(chat(structured_outputs={"regex": "a+"})).constraint.regex == "a+"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function"}]}, "tools[0]"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
 def test_bad_structured_params_name_the_parameter(body, param):
     with pytest.raises(APIError) as e:
         chat(**body)
@@ -91,30 +116,52 @@ def test_tool_choices_render_tools_and_constrain_required_and_named():
     assert json.loads(named.kwargs["constraint"].json_schema) == WEATHER["function"]["parameters"]
     message, finish = named.tools.message('{"city": "Paris", "unit": "celsius"}', "stop")
     assert finish == "tool_calls" and message["content"] is None
-    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
+    assert message["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris", "unit": "celsius"}',
+    }
 
 
 def test_earlier_tool_calls_and_results_render_into_the_conversation():
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
     turns = chat_request({"model": "m", "messages": messages, "tools": [WEATHER]}).prompts[0]["messages"]
-    assert turns[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    assert (
+        turns[2]["content"]
+        == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    )
     assert turns[3] == {"role": "tool", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
 
 
-OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>\n')
+OUTPUT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>\n'
+)
 
 
 def test_hermes_parser_reads_calls_and_keeps_content():
     content, calls = HermesFormat().parse(OUTPUT)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"tz": "CET"})]
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {"tz": "CET"}),
+    ]
     assert HermesFormat().parse("no calls <tool_call> not json </tool_call>") == (
-        "no calls <tool_call> not json </tool_call>", [])
+        "no calls <tool_call> not json </tool_call>",
+        [],
+    )
     assert HermesFormat().parse('<tool_call>\n{"name": "f", "arguments": {}}')[1][0].name == "f"  # cut at the end
 
 
@@ -155,41 +202,66 @@ def oai():
 
 @live
 def test_response_format_json_schema_validates(oai):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Invent a person."}], seed=3,
-                                    response_format={"type": "json_schema", "json_schema": {
-                                        "name": "person", "schema": schema, "strict": True}}, max_tokens=60)
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    r = oai.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Invent a person."}],
+        seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+        max_tokens=60,
+    )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="m", messages=ASK, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}})
+        oai.chat.completions.create(
+            model="m",
+            messages=ASK,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}},
+        )
     assert "objec" in str(e.value) and e.value.body["param"] == "response_format"
 
 
 @live
 def test_required_and_named_tool_calls(oai):
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", seed=1,
-                                    max_tokens=80)
+    r = oai.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", seed=1, max_tokens=80
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-    r = oai.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], seed=2, max_tokens=60,
-                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = oai.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        seed=2,
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     [call] = r.choices[0].message.tool_calls
-    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert (
+        r.choices[0].finish_reason == "tool_calls"
+        and call.function.name == "get_weather"
+        and call.id.startswith("call_")
+    )
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
 @live
 def test_streamed_tool_call_deltas_accumulate_in_the_openai_client(oai):
     named = {"type": "function", "function": {"name": "get_weather"}}
-    with oai.chat.completions.stream(model="m", messages=ASK, tools=[WEATHER], tool_choice=named, seed=2,
-                                     max_tokens=60) as stream:
+    with oai.chat.completions.stream(
+        model="m", messages=ASK, tools=[WEATHER], tool_choice=named, seed=2, max_tokens=60
+    ) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -202,9 +274,13 @@ def test_streamed_tool_call_deltas_accumulate_in_the_openai_client(oai):
 def test_auto_mode_parses_hermes_tool_calls_streamed_or_not(oai):
     """The 135M model rarely calls a tool on its own, so a regex holds it to the Hermes format;
     the auto-mode parser then has to find the call in the text, streamed and not."""
-    regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
-             r'"unit": "celsius"\}\}\n</tool_call>')
-    kwargs = dict(model="m", messages=ASK, tools=[WEATHER, TIME], seed=4, max_tokens=60, extra_body={"guided_regex": regex})
+    regex = (
+        r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
+        r'"unit": "celsius"\}\}\n</tool_call>'
+    )
+    kwargs = dict(
+        model="m", messages=ASK, tools=[WEATHER, TIME], seed=4, max_tokens=60, extra_body={"guided_regex": regex}
+    )
     whole = oai.chat.completions.create(**kwargs)
     with oai.chat.completions.stream(**kwargs) as stream:
         for _ in stream:

@@ -6,6 +6,7 @@ a block whose last token was pending once that token arrives, and drops the
 extra step of a request that finished meanwhile. A failed step makes the plan
 behind it stale: the executor refuses it and its requests are recomputed.
 """
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,14 @@ EOS = frozenset({0, 1, 2})
 
 
 def make_scheduler(num_blocks=64, block_size=4, **overrides) -> Scheduler:
-    config = dict(num_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_batched_tokens=32,
-                  max_num_seqs=8, watermark=0.0)
+    config = dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        watermark=0.0,
+    )
     config.update(overrides)
     return Scheduler(SchedulerConfig(**config))
 
@@ -204,11 +211,15 @@ def test_model_runner_refuses_a_plan_made_before_a_failure_and_forgets_its_reque
 
     assert runner.execute(StepPlan(1, [new("a", [1])], last_result_step_id=0)).sampled == {"a": 5}
     model.fail = True
-    failed = runner.execute(StepPlan(2, [new("b", [2])], CachedRequestData(["a"], [[]], [3], [1]), last_result_step_id=1))
+    failed = runner.execute(
+        StepPlan(2, [new("b", [2])], CachedRequestData(["a"], [[]], [3], [1]), last_result_step_id=1)
+    )
     assert failed.error and sorted(failed.failed_request_ids) == ["a", "b"]
     model.fail = False
     # Step 3 left before step 2's result was seen: it names "a", which step 2 dropped.
-    stale = runner.execute(StepPlan(3, [new("c", [3])], CachedRequestData(["a"], [[]], [4], [1]), last_result_step_id=1))
+    stale = runner.execute(
+        StepPlan(3, [new("c", [3])], CachedRequestData(["a"], [[]], [4], [1]), last_result_step_id=1)
+    )
     assert "stale" in stale.error and stale.failed_request_ids == [] and not stale.sampled
     assert runner.requests == {}, "a stale plan's requests are forgotten, new ones included"
     # Step 4 was made after step 3's result: it runs, with the requests resent whole.

@@ -1,5 +1,6 @@
 """The native packed GEMM (executor_svc/packed_linear.py) against a float64 reference,
 and its GGUF block path against its float32 path, bit for bit."""
+
 from __future__ import annotations
 
 import gguf
@@ -89,7 +90,7 @@ def test_packed_layout():
     width = packed_linear.kernel().panel_width
     assert panels.shape == (-(-50 // width), 3, width) and panels.is_contiguous()
     assert panels[0, 2, 5] == w[5, 2] and panels[1, 1, 50 - width - 1] == w[49, 1]
-    assert (panels[1, :, 50 - width:] == 0).all()
+    assert (panels[1, :, 50 - width :] == 0).all()
 
 
 @pytest.mark.parametrize("rows", [0, 1, PACKED_MAX_ROWS + 1, 300])
@@ -149,8 +150,21 @@ def float32_panels(x, weight, bias):
     """The float32 panel kernel at any row count (linear() would send 1 row to MKL)."""
     n, k = weight.shape
     out, panels = torch.empty(x.shape[0], n), pack(weight)  # held until the call returns
-    assert packed_linear.kernel().gemm(out.data_ptr(), n, x.data_ptr(), k, panels.data_ptr(),
-                                       None if bias is None else bias.data_ptr(), x.shape[0], n, k, 2) == 0
+    assert (
+        packed_linear.kernel().gemm(
+            out.data_ptr(),
+            n,
+            x.data_ptr(),
+            k,
+            panels.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            x.shape[0],
+            n,
+            k,
+            2,
+        )
+        == 0
+    )
     return out
 
 
@@ -182,8 +196,12 @@ def test_block_kernel_writes_exactly_its_outputs_over_several_chunks(kind):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
     out = torch.full((m, ldc), float("nan"))
     blocks = pack_blocks(kind, raw)
-    assert packed_linear.kernel().gemm_blocks(out.data_ptr(), ldc, x.data_ptr(), k, blocks.data.data_ptr(),
-                                              BLOCK_FORMATS[kind][0], None, m, n, k, 2) == 0
+    assert (
+        packed_linear.kernel().gemm_blocks(
+            out.data_ptr(), ldc, x.data_ptr(), k, blocks.data.data_ptr(), BLOCK_FORMATS[kind][0], None, m, n, k, 2
+        )
+        == 0
+    )
     assert torch.equal(out[:, :n], float32_panels(x, weight, None))
     assert out[:, n:].isnan().all()
 
@@ -191,8 +209,12 @@ def test_block_kernel_writes_exactly_its_outputs_over_several_chunks(kind):
 def test_block_kernel_rejects_what_it_cannot_read():
     out, x, data = torch.empty(1, 48), torch.empty(1, 40), torch.zeros(1, 2, 960, dtype=torch.uint8)
     kern = packed_linear.kernel()
-    assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 40, data.data_ptr(), 1, None, 1, 48, 40, 2) == -3  # K % 32
-    assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 7, None, 1, 48, 64, 2) == -3  # format
+    assert (
+        kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 40, data.data_ptr(), 1, None, 1, 48, 40, 2) == -3
+    )  # K % 32
+    assert (
+        kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 7, None, 1, 48, 64, 2) == -3
+    )  # format
     assert kern.gemm_blocks(out.data_ptr(), 48, x.data_ptr(), 64, data.data_ptr(), 1, None, 1, 48, 0, 2) == -3  # K == 0
 
 
@@ -209,15 +231,16 @@ def test_block_panel_layout():
     assert bytes(cell[2 * col : 2 * col + 2]) == bytes(raw[row, block, 0:2])  # d
     assert bytes(cell[96 + 2 * col : 96 + 2 * col + 2]) == bytes(raw[row, block, 2:4])  # m
     assert [int(cell[192 + j * width + col]) for j in range(16)] == raw[row, block, 4:].tolist()
-    assert (cell[192 + 2:192 + width] == 0).all()  # k row 0, columns 2.. of panel 1 do not exist
+    assert (cell[192 + 2 : 192 + width] == 0).all()  # k row 0, columns 2.. of panel 1 do not exist
 
 
 def test_routes_by_row_count():
     w = torch.randn(48, 32)
     both = PackedWeight(pack(w), pack_blocks("Q8_0", quantized("Q8_0", 48, 32, seed=1)[1]))
     floats = PackedWeight(pack(w))
-    assert [route(r, both) for r in (0, 1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1)] \
-        == ["torch", "blocks", "blocks", "panels", "panels", "torch"]
+    assert [
+        route(r, both) for r in (0, 1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1)
+    ] == ["torch", "blocks", "blocks", "panels", "panels", "torch"]
     assert [route(r, floats) for r in (1, 2, BLOCKS_MAX_ROWS)] == ["torch", "panels", "panels"]
     assert route(5, None) == "torch"
 

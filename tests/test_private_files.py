@@ -3,6 +3,7 @@ native-kernel cache are this user's alone, or refused.
 
 The ownership cases chown to `nobody`, which needs root (the CI runs as root).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ def mode(path) -> int:
 
 
 # ---- private directories -----------------------------------------------------------------
+
 
 def test_a_missing_directory_is_created_private_with_its_parents(tmp_path):
     d = ensure_private_dir(str(tmp_path / "state" / "pagedserve"))
@@ -64,6 +66,7 @@ def test_a_symbolic_link_is_refused_even_to_a_private_directory(tmp_path):
 
 # ---- the installation secret -------------------------------------------------------------
 
+
 def test_the_secret_is_generated_once_private_and_then_reused(tmp_path):
     d = tmp_path / "pagedserve"
     first = installation_secret(str(d))
@@ -74,8 +77,10 @@ def test_the_secret_is_generated_once_private_and_then_reused(tmp_path):
 
 def test_processes_starting_at_once_agree_on_one_secret(tmp_path):
     d = tmp_path / "pagedserve"
-    code = f"import sys; sys.path.insert(0, {REPO!r}); from shared.executor_secret import installation_secret; " \
-           f"print(installation_secret({str(d)!r}))"
+    code = (
+        f"import sys; sys.path.insert(0, {REPO!r}); from shared.executor_secret import installation_secret; "
+        f"print(installation_secret({str(d)!r}))"
+    )
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(6)]
     secrets = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
@@ -129,12 +134,18 @@ def test_an_operator_secret_file_that_is_empty_is_an_error_not_no_secret(tmp_pat
     assert read_secret_file(str(tmp_path / "ok")) == "s3cret"
 
 
-@pytest.mark.parametrize("module,flag", [("executor_svc", "--auth-token-file"),
-                                         ("scheduler_svc", "--executor-auth-token-file")])
+@pytest.mark.parametrize(
+    "module,flag", [("executor_svc", "--auth-token-file"), ("scheduler_svc", "--executor-auth-token-file")]
+)
 def test_both_services_refuse_an_empty_secret_file_in_one_line(tmp_path, module, flag):
     (tmp_path / "empty.token").write_text("")
-    done = subprocess.run([sys.executable, "-m", module, flag, str(tmp_path / "empty.token")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", module, flag, str(tmp_path / "empty.token")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert f"{tmp_path / 'empty.token'} holds no secret" in done.stderr.strip().splitlines()[-1]
 
@@ -151,6 +162,7 @@ def test_both_services_resolve_the_same_installation_secret(tmp_path):
 
 
 # ---- the native-kernel cache -------------------------------------------------------------
+
 
 @pytest.fixture
 def tiny_source(tmp_path, monkeypatch):
@@ -197,4 +209,3 @@ def test_a_kernel_cache_owned_by_another_user_is_refused(tiny_source, tmp_path):
     with structlog.testing.capture_logs() as logs:
         assert native_build.load_library(tiny_source) is None
     assert "owned by uid" in logs[0]["reason"] and os.listdir(cache) == ["planted.so"]
-

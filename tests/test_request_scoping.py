@@ -4,6 +4,7 @@ The real gRPC front end (interceptors, servicer, engine, scheduler) runs in
 process against a FakeExecutor whose steps are held, so requests stay live
 while the test looks at them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,12 +35,27 @@ class HeldClient:
         self.results = collections.deque()
 
     async def connect(self, block_size, max_num_batched_tokens, max_num_seqs, timeout_s=5.0) -> ExecutorInfo:
-        self.executor = FakeExecutor(block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.executor = FakeExecutor(
+            block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
         return ExecutorInfo(
-            model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None,
-            max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="x", device="cpu",
-            attention_backend="fake", tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
-            eos_token="", add_bos_token=False,
+            model_name="fake",
+            architecture="llama",
+            vocab_size=VOCAB,
+            eos_token_ids=(),
+            bos_token_id=None,
+            max_model_len=512,
+            dtype="float32",
+            num_kv_blocks=64,
+            kv_cache_bytes=0,
+            instance_id="x",
+            device="cpu",
+            attention_backend="fake",
+            tokenizer_json=word_tokenizer_json(VOCAB),
+            chat_template="",
+            bos_token="",
+            eos_token="",
+            add_bos_token=False,
         )
 
     async def send(self, plan):
@@ -80,7 +96,9 @@ async def listing(tokens: TokenTable | None) -> dict[str, set[str]]:
                 await asyncio.sleep(0.01)
             seen = {}
             for name, token in (("alice", ALICE), ("bob", BOB), ("admin", ADMIN)):
-                status = await stub.GetServerStatus(pb.GetServerStatusRequest(include_requests=True), metadata=md(token))
+                status = await stub.GetServerStatus(
+                    pb.GetServerStatusRequest(include_requests=True), metadata=md(token)
+                )
                 seen[name] = {r.request_id for r in status.requests}
                 assert status.num_running + status.num_waiting == 2  # counts stay global
             client.release.set()
@@ -105,6 +123,7 @@ def test_without_auth_everyone_is_the_same_anonymous_caller():
 
 # ---- size limits come before any tokenizing ---------------------------------------------
 
+
 class NoTokenizing:
     """A tokenizer that fails the test if anything is tokenized."""
 
@@ -114,7 +133,9 @@ class NoTokenizing:
         raise AssertionError(f"tokenizer.{name} used for a request that is too large anyway")
 
 
-LIMITS = Limits(vocab_size=VOCAB, max_model_len=100, max_n=4, max_stop_strings=4, max_stop_string_bytes=64, max_prompt_chars=1000)
+LIMITS = Limits(
+    vocab_size=VOCAB, max_model_len=100, max_n=4, max_stop_strings=4, max_stop_string_bytes=64, max_prompt_chars=1000
+)
 
 
 def chat(n: int, content: str) -> pb.GenerateRequest:
@@ -123,13 +144,17 @@ def chat(n: int, content: str) -> pb.GenerateRequest:
     return req
 
 
-@pytest.mark.parametrize("req", [
-    pb.GenerateRequest(text="x" * 1001),
-    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 100)),
-    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[VOCAB + 5] * 300_000)),
-    chat(100, "a"),
-    chat(3, "y" * 400),
-], ids=["text", "token_ids", "huge_token_ids", "messages", "chat_chars"])
+@pytest.mark.parametrize(
+    "req",
+    [
+        pb.GenerateRequest(text="x" * 1001),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 100)),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[VOCAB + 5] * 300_000)),
+        chat(100, "a"),
+        chat(3, "y" * 400),
+    ],
+    ids=["text", "token_ids", "huge_token_ids", "messages", "chat_chars"],
+)
 def test_oversized_prompts_are_refused_before_tokenizing(req):
     with pytest.raises(InvalidRequest) as info:
         to_generation_input(req, NoTokenizing(), LIMITS)

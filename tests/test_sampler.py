@@ -4,6 +4,7 @@ Distribution checks sample many independent rows in one batch and compare the
 empirical frequencies with the exact target distribution by a chi-square bound
 (about a 1e-6 false-alarm rate), and require exact zeros outside the support.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,9 @@ N_DRAWS = 20000
 
 def sample(params, logits, prompts=None, outputs=None, sampler=None):
     n = len(params)
-    md = build_sampling_metadata(params, prompts or [[] for _ in range(n)],
-                                 outputs or [[] for _ in range(n)], logits.shape[1], "cpu")
+    md = build_sampling_metadata(
+        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)], logits.shape[1], "cpu"
+    )
     return (sampler or Sampler())(logits, md)
 
 
@@ -69,22 +71,26 @@ def keep(ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("noise", ["global", "seeds", "positions"])
-@pytest.mark.parametrize("params, expected", [
-    (SamplingParams(temperature=1.0), PROBS),
-    (SamplingParams(temperature=0.5), PROBS ** 2),
-    (SamplingParams(temperature=2.0), PROBS ** 0.5),
-    (SamplingParams(top_k=3), keep([1, 5, 3])),
-    # Mass before each rank: 0, .40, .65: the nucleus for 0.6 is ranks 0-1, for 0.7 ranks 0-2.
-    (SamplingParams(top_p=0.6), keep([1, 5])),
-    (SamplingParams(top_p=0.7), keep([1, 5, 3])),
-    # top-p sees the top-k-renormalised mass: .40/.90 + .25/.90 = .72 >= .7, so rank 2 goes.
-    (SamplingParams(top_k=4, top_p=0.7), keep([1, 5])),
-    # min_p 0.2 of the largest (0.40) keeps p >= 0.08.
-    (SamplingParams(min_p=0.2), keep([1, 5, 3, 7])),
-    # min_p applies to the tempered distribution (as vLLM): at T=0.5 the ratio
-    # to the largest is squared, (.15/.40)**2 = .14 < .2, so token 3 goes too.
-    (SamplingParams(temperature=0.5, min_p=0.2), keep([1, 5]) ** 2),
-], ids=["t1", "t0.5", "t2", "topk3", "topp0.6", "topp0.7", "topk4-topp0.7", "minp0.2", "t0.5-minp0.2"])
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), PROBS),
+        (SamplingParams(temperature=0.5), PROBS**2),
+        (SamplingParams(temperature=2.0), PROBS**0.5),
+        (SamplingParams(top_k=3), keep([1, 5, 3])),
+        # Mass before each rank: 0, .40, .65: the nucleus for 0.6 is ranks 0-1, for 0.7 ranks 0-2.
+        (SamplingParams(top_p=0.6), keep([1, 5])),
+        (SamplingParams(top_p=0.7), keep([1, 5, 3])),
+        # top-p sees the top-k-renormalised mass: .40/.90 + .25/.90 = .72 >= .7, so rank 2 goes.
+        (SamplingParams(top_k=4, top_p=0.7), keep([1, 5])),
+        # min_p 0.2 of the largest (0.40) keeps p >= 0.08.
+        (SamplingParams(min_p=0.2), keep([1, 5, 3, 7])),
+        # min_p applies to the tempered distribution (as vLLM): at T=0.5 the ratio
+        # to the largest is squared, (.15/.40)**2 = .14 < .2, so token 3 goes too.
+        (SamplingParams(temperature=0.5, min_p=0.2), keep([1, 5]) ** 2),
+    ],
+    ids=["t1", "t0.5", "t2", "topk3", "topp0.6", "topp0.7", "topk4-topp0.7", "minp0.2", "t0.5-minp0.2"],
+)
 def test_sampled_distribution_matches_the_truncated_target(params, expected, noise):
     assert_distribution(draw(params, noise), expected)
 
@@ -165,8 +171,12 @@ def test_seeded_token_depends_only_on_seed_and_position():
     history = list(range(7))  # output position 7
     alone = sample([target], row[None], outputs=[history]).sampled_token_ids.item()
 
-    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.3, top_k=5)]
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.3, top_k=5),
+    ]
     for before, after in [(others, []), ([], others), (others[:2], others[2:]), (others * 3, others)]:
         params = before + [target] + after
         logits = torch.randn(len(params), vocab)
@@ -177,19 +187,24 @@ def test_seeded_token_depends_only_on_seed_and_position():
         got = sample(params, logits, outputs=outputs).sampled_token_ids[len(before)].item()
         assert got == alone, f"batch of {len(params)} with the row at {len(before)} drew {got}, alone {alone}"
 
-    by_seed = {sample([SamplingParams(temperature=1.0, seed=s)], row[None], outputs=[history])
-               .sampled_token_ids.item() for s in range(20)}
-    by_position = {sample([SamplingParams(temperature=1.0, seed=42)], row[None], outputs=[[0] * pos])
-                   .sampled_token_ids.item() for pos in range(20)}
-    by_high_bits = {sample([SamplingParams(temperature=1.0, seed=42 + (s << 32))], row[None])
-                    .sampled_token_ids.item() for s in range(20)}
+    by_seed = {
+        sample([SamplingParams(temperature=1.0, seed=s)], row[None], outputs=[history]).sampled_token_ids.item()
+        for s in range(20)
+    }
+    by_position = {
+        sample([SamplingParams(temperature=1.0, seed=42)], row[None], outputs=[[0] * pos]).sampled_token_ids.item()
+        for pos in range(20)
+    }
+    by_high_bits = {
+        sample([SamplingParams(temperature=1.0, seed=42 + (s << 32))], row[None]).sampled_token_ids.item()
+        for s in range(20)
+    }
     assert min(len(by_seed), len(by_position), len(by_high_bits)) >= 15, (by_seed, by_position, by_high_bits)
 
 
 def test_penalties_match_a_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
-    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5,
-                             frequency_penalty=0.25)]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
     md = build_sampling_metadata(params, [[0, 1, 0]], [[1, 2, 2]], 6, "cpu")
     got = apply_min_tokens_and_penalties(logits, md)
     # Repetition on {0, 1, 2} (prompt or output): positive / 2, negative * 2.
@@ -204,8 +219,10 @@ def test_penalties_match_a_hand_computation():
     # End to end: greedy over the penalised logits.
     top = torch.tensor([[3.0, 2.9, 0.0]])
     assert sample([SamplingParams(temperature=0.0)], top).sampled_token_ids.item() == 0
-    assert sample([SamplingParams(temperature=0.0, repetition_penalty=1.2)], top,
-                  prompts=[[0]]).sampled_token_ids.item() == 1
+    assert (
+        sample([SamplingParams(temperature=0.0, repetition_penalty=1.2)], top, prompts=[[0]]).sampled_token_ids.item()
+        == 1
+    )
 
 
 def test_min_tokens_masks_until_enough_outputs():
@@ -238,10 +255,12 @@ def test_greedy_is_exactly_argmax():
 def test_logprobs_are_the_raw_log_softmax():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    params = [SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.5, logprobs=5),
-              SamplingParams(temperature=0.0, logprobs=0),
-              SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.0, logprobs=20, presence_penalty=2.0)]
+    params = [
+        SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.5, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=20, presence_penalty=2.0),
+    ]
     out = sample(params, logits, prompts=[[1, 2], [], [], []], outputs=[[3], [], [], [4, 4]])
     raw = logits.log_softmax(dim=-1)
     tokens = out.sampled_token_ids.tolist()
@@ -265,8 +284,7 @@ def test_mixed_batch_rows_equal_rows_run_alone():
         (SamplingParams(temperature=0.8, top_p=0.9, seed=11), [1], [2, 3]),
         (SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2), [9, 9, 8], [8, 1]),
         (SamplingParams(temperature=1.1, top_k=20, presence_penalty=0.7, seed=12, logprobs=4), [3, 4], [4, 4, 5]),
-        (SamplingParams(temperature=0.9, min_p=0.05, seed=13, min_tokens=5,
-                        min_tokens_masked_ids=(0, 1, 2)), [2], [1]),
+        (SamplingParams(temperature=0.9, min_p=0.05, seed=13, min_tokens=5, min_tokens_masked_ids=(0, 1, 2)), [2], [1]),
         (SamplingParams(temperature=0.0, logprobs=3), [], []),
         (SamplingParams(temperature=1.0, top_k=7, top_p=0.8, seed=2**40 + 5), [0], []),
     ]
@@ -291,16 +309,27 @@ def test_fast_path_and_input_untouched():
     before = logits.clone()
     md = build_sampling_metadata([SamplingParams(temperature=0.0)] * 3, [[1]] * 3, [[2]] * 3, 40, "cpu")
     assert md.needs_only_argmax
-    sample([SamplingParams(temperature=0.5, repetition_penalty=2.0, min_tokens=3,
-                           min_tokens_masked_ids=(1,), top_p=0.5)] * 3, logits, [[1]] * 3, [[2]] * 3)
+    sample(
+        [SamplingParams(temperature=0.5, repetition_penalty=2.0, min_tokens=3, min_tokens_masked_ids=(1,), top_p=0.5)]
+        * 3,
+        logits,
+        [[1]] * 3,
+        [[2]] * 3,
+    )
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("bad", [
-    SamplingParams(temperature=-1.0), SamplingParams(top_p=0.0), SamplingParams(min_p=1.5),
-    SamplingParams(repetition_penalty=0.0), SamplingParams(logprobs=21),
-    SamplingParams(min_tokens=1, min_tokens_masked_ids=(40,)),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        SamplingParams(temperature=-1.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(min_p=1.5),
+        SamplingParams(repetition_penalty=0.0),
+        SamplingParams(logprobs=21),
+        SamplingParams(min_tokens=1, min_tokens_masked_ids=(40,)),
+    ],
+)
 def test_bad_params_raise(bad):
     with pytest.raises(ValueError):
         build_sampling_metadata([bad], [[]], [[]], 40, "cpu")
@@ -320,9 +349,12 @@ def test_bad_shapes_and_token_ids_raise():
 def test_cuda_matches_cpu_for_seeded_and_greedy_rows():
     torch.manual_seed(0)
     logits = torch.randn(4, 49152) * 2
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
-              SamplingParams(temperature=1.0, top_k=50, seed=2, repetition_penalty=1.2),
-              SamplingParams(temperature=0.7, min_p=0.1, seed=3)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=50, seed=2, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, min_p=0.1, seed=3),
+    ]
     prompts, outputs = [[1, 2]] * 4, [[3]] * 4
     cpu = sample(params, logits, prompts, outputs).sampled_token_ids
     md = build_sampling_metadata(params, prompts, outputs, 49152, "cuda")

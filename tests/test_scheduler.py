@@ -4,6 +4,7 @@ The fake executor checks the plan protocol and the KV content of every
 prefix a request reads, and samples reference_next_token(tokens), so a
 request's outputs are known in advance: expected_outputs().
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,10 @@ from shared.step_plan import StepResult
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
         ({"hash_algo": "md5"}, "hash_algo"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64}, "chunked prefill"),
-        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 128, "long_prefill_token_threshold": 8},
-         "long_prefill_token_threshold"),
+        (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": 128, "long_prefill_token_threshold": 8},
+            "long_prefill_token_threshold",
+        ),
         ({"num_blocks": 32}, "KV cache too small"),  # 31 blocks * 4 < 128
         ({"num_blocks": 33, "watermark": 0.1}, "watermark"),  # 32 blocks but 3 reserved
     ],
@@ -108,7 +111,10 @@ def test_new_request_is_sent_whole_then_as_deltas():
     assert plan.step_id == 2 and plan.new_requests == []
     cached = plan.cached_requests
     assert (cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens) == (
-        ["r"], [[]], [6], [1]
+        ["r"],
+        [[]],
+        [6],
+        [1],
     )
     plan, _ = step(scheduler, executor)
     assert plan.cached_requests.new_block_ids == [[]]  # position 7 still fits block 2
@@ -155,9 +161,7 @@ def test_two_requests_with_one_prompt_in_one_step_share_its_blocks():
 
 
 def test_chunked_prefill_splits_long_prompt_while_decodes_advance_every_step():
-    scheduler = make_scheduler(
-        block_size=16, num_blocks=300, max_num_batched_tokens=512, max_model_len=4096
-    )
+    scheduler = make_scheduler(block_size=16, num_blocks=300, max_num_batched_tokens=512, max_model_len=4096)
     executor = FakeExecutor.for_scheduler(scheduler, VOCAB, verify_kv=False)
     for i in range(3):
         scheduler.add_request(make_request(f"d{i}", [i + 1] * 8, max_tokens=30))
@@ -354,8 +358,13 @@ def test_num_cached_tokens_is_fixed_at_first_admission():
         {"enable_prefix_caching": False},
         {"enable_prefix_caching": True, "num_blocks": 13, "max_model_len": 48},
         {"enable_prefix_caching": False, "num_blocks": 13, "max_model_len": 48},
-        {"enable_prefix_caching": True, "enable_chunked_prefill": False, "num_blocks": 13, "max_model_len": 48,
-         "max_num_batched_tokens": 48},
+        {
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": False,
+            "num_blocks": 13,
+            "max_model_len": 48,
+            "max_num_batched_tokens": 48,
+        },
         {"enable_prefix_caching": True, "hash_algo": "blake2b", "max_num_batched_tokens": 7},
     ],
 )

@@ -1,4 +1,5 @@
 """Scheduler under aborts, failed steps and executor loss, driven through FakeExecutor."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,7 +84,10 @@ def test_failed_step_aborts_its_requests_and_uncaches_what_it_filled():
     assert len(outputs) == 1
     out = outputs[0]
     assert (out.request_id, out.finished, out.status, out.error) == (
-        "a", True, RequestStatus.FINISHED_ABORTED, "device on fire"
+        "a",
+        True,
+        RequestStatus.FINISHED_ABORTED,
+        "device on fire",
     )
     assert out.new_token_ids == []
     assert len(pool.cached_blocks) == 2, "the failed step's block must not stay cached"

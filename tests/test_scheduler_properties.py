@@ -16,6 +16,7 @@ shrinks failures) and a seeded random soak (longer runs under memory
 pressure, which reach rarer paths such as preempting a request that was
 already placed in the plan being built).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,8 +41,9 @@ FINISHED = [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED, Requ
 class SchedulerModel:
     """The system under test plus the operations both drivers apply to it."""
 
-    def __init__(self, block_size, num_blocks, caching, chunked, budget, max_num_seqs, watermark, threshold,
-                 overlap=False):
+    def __init__(
+        self, block_size, num_blocks, caching, chunked, budget, max_num_seqs, watermark, threshold, overlap=False
+    ):
         usable = num_blocks - 1
         max_model_len = min(32, (usable - int(watermark * usable)) * block_size)
         self.scheduler = Scheduler(
@@ -119,7 +121,11 @@ class SchedulerModel:
         self.step(fail)
 
     def executor_lost(self, in_flight: bool):
-        if in_flight and len(self.pipeline.in_flight) < self.pipeline.depth and self.scheduler.has_unfinished_requests():
+        if (
+            in_flight
+            and len(self.pipeline.in_flight) < self.pipeline.depth
+            and self.scheduler.has_unfinished_requests()
+        ):
             plan = self.scheduler.schedule()
             self._record(plan)
             if plan.num_requests:
@@ -266,8 +272,14 @@ def test_random_soak_under_memory_pressure():
             if op < 0.25:
                 prefix = rng.choice(PREFIXES)[: rng.randint(0, 12)]
                 prompt = prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 16))]
-                model.add(prompt, rng.randint(1, 16), rng.randint(0, 2), rng.randint(-1, 2), rng.random() < 0.5,
-                          rng.random() < 0.3)
+                model.add(
+                    prompt,
+                    rng.randint(1, 16),
+                    rng.randint(0, 2),
+                    rng.randint(-1, 2),
+                    rng.random() < 0.5,
+                    rng.random() < 0.3,
+                )
             elif op < 0.8:
                 model.step()
             elif op < 0.87:

@@ -5,6 +5,7 @@ One executor serves the whole module on a public address (0.0.0.0) with its
 shared secret; the schedulers in front of it run one at a time (a second one's
 handshake would take the executor's Step stream from the first).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,13 @@ def spawn(module: str, args: list[str], log: Path, env: dict) -> subprocess.Pope
     # services read PAGEDSERVE_AUTH_TOKEN, with different meanings.
     base = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env={**base, "PYTHONUNBUFFERED": "1", **env})
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**base, "PYTHONUNBUFFERED": "1", **env},
+        )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -72,6 +78,7 @@ def serving(channel_factory) -> bool:
 
 # ---- fixtures: certificates, one executor, one scheduler at a time ------------------------
 
+
 def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
@@ -83,14 +90,45 @@ def pki(tmp_path_factory) -> Path:
         pytest.skip("the openssl command is needed to make test certificates")
     d = tmp_path_factory.mktemp("pki")
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=PagedServe test CA", cwd=d)
-    exts = {"server": "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-            "client": "extendedKeyUsage=clientAuth\n"}
+    openssl(
+        "req",
+        "-x509",
+        *key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=PagedServe test CA",
+        cwd=d,
+    )
+    exts = {
+        "server": "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
     for name, ext in exts.items():
         (d / f"{name}.ext").write_text(ext)
         openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=pagedserve-{name}", cwd=d)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -107,8 +145,12 @@ def workdir():
 def executor(workdir):
     """The executor on a public address, guarded by PAGEDSERVE_AUTH_TOKEN: (process, "127.0.0.1:port")."""
     port = free_port()
-    proc = spawn("executor_svc", ["--listen", f"0.0.0.0:{port}", "--dtype", "float32", "--kv-cache-gib", "0.25"],
-                 workdir / "executor.log", {"PAGEDSERVE_AUTH_TOKEN": EXECUTOR_SECRET})
+    proc = spawn(
+        "executor_svc",
+        ["--listen", f"0.0.0.0:{port}", "--dtype", "float32", "--kv-cache-gib", "0.25"],
+        workdir / "executor.log",
+        {"PAGEDSERVE_AUTH_TOKEN": EXECUTOR_SECRET},
+    )
     addr = f"127.0.0.1:{port}"
     try:
         wait_until(lambda: serving(lambda: grpc.insecure_channel(addr)), [proc], 180, "executor SERVING")
@@ -132,10 +174,16 @@ class OneScheduler:
             port = free_port()
             self.target = f"127.0.0.1:{port}"
             self.log = self.workdir / f"scheduler-{name}.log"
-            self.proc = spawn("scheduler_svc", ["--listen", self.target, "--executor", self.executor_addr, *args], self.log, {})
+            self.proc = spawn(
+                "scheduler_svc", ["--listen", self.target, "--executor", self.executor_addr, *args], self.log, {}
+            )
             self.key = (name, *args)
-            wait_until(lambda: serving(lambda: ready_channel(self.target)), [self.proc, self.executor_proc], 120,
-                       f"scheduler {name} SERVING")
+            wait_until(
+                lambda: serving(lambda: ready_channel(self.target)),
+                [self.proc, self.executor_proc],
+                120,
+                f"scheduler {name} SERVING",
+            )
         return self.target
 
     def close(self) -> None:
@@ -157,11 +205,20 @@ def insecure(target: str) -> grpc.Channel:
 
 @pytest.fixture
 def auth_target(schedulers, workdir) -> str:
-    return schedulers.use("auth", ["--auth-tokens-file", str(workdir / "public.tokens"),
-                                   "--executor-auth-token-file", str(workdir / "executor.token")], insecure)
+    return schedulers.use(
+        "auth",
+        [
+            "--auth-tokens-file",
+            str(workdir / "public.tokens"),
+            "--executor-auth-token-file",
+            str(workdir / "executor.token"),
+        ],
+        insecure,
+    )
 
 
 # ---- the executor's shared secret ---------------------------------------------------------
+
 
 def test_executor_on_a_public_address_without_a_token_refuses_to_start(workdir):
     proc = spawn("executor_svc", ["--listen", f"0.0.0.0:{free_port()}"], workdir / "executor-no-token.log", {})
@@ -185,6 +242,7 @@ def test_executor_refuses_calls_without_its_secret(executor):
 
 # ---- bearer tokens on the public API ------------------------------------------------------
 
+
 def public_calls(stub: pb_grpc.GenerationStub, metadata):
     """One call of every public method; each returns normally or raises grpc.RpcError."""
     req = pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_tokens=2))
@@ -200,8 +258,12 @@ def public_calls(stub: pb_grpc.GenerationStub, metadata):
 def test_public_api_needs_one_of_the_configured_bearer_tokens(auth_target):
     with grpc.insecure_channel(auth_target) as ch:
         stub = pb_grpc.GenerationStub(ch)
-        bad = [(), (("authorization", "Bearer wrong-token"),), (("authorization", PUBLIC_TOKENS[0]),),
-               (("authorization", f"Bearer {EXECUTOR_SECRET}"),)]
+        bad = [
+            (),
+            (("authorization", "Bearer wrong-token"),),
+            (("authorization", PUBLIC_TOKENS[0]),),
+            (("authorization", f"Bearer {EXECUTOR_SECRET}"),),
+        ]
         for metadata in bad:
             for call in public_calls(stub, metadata):
                 with pytest.raises(grpc.RpcError) as info:
@@ -218,8 +280,13 @@ def test_public_api_needs_one_of_the_configured_bearer_tokens(auth_target):
 
 def test_logs_carry_neither_prompts_outputs_nor_secrets(auth_target, schedulers, workdir):
     with Client(auth_target, token=PUBLIC_TOKENS[0]) as c:
-        out = c.complete(f"Repeat after me: {MARKER} {MARKER} {MARKER}", max_tokens=24, temperature=0.0,
-                         ignore_eos=True, request_id="log-check-1")[0]
+        out = c.complete(
+            f"Repeat after me: {MARKER} {MARKER} {MARKER}",
+            max_tokens=24,
+            temperature=0.0,
+            ignore_eos=True,
+            request_id="log-check-1",
+        )[0]
         chat = c.complete(messages=[{"role": "user", "content": f"Say {MARKER}."}], max_tokens=8, temperature=0.0)[0]
     # The per-request INFO line shows the log is being written: without it the checks below would prove nothing.
     wait_until(lambda: "log-check-1" in schedulers.log.read_text(errors="replace"), [], 10, "the request_finished line")
@@ -237,12 +304,23 @@ def test_logs_carry_neither_prompts_outputs_nor_secrets(auth_target, schedulers,
 
 # ---- TLS and mutual TLS -------------------------------------------------------------------
 
+
 def test_tls_client_with_the_ca_works_and_a_plaintext_client_is_refused(schedulers, pki):
     def tls_channel(target):
         return grpc.secure_channel(target, grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes()))
 
-    target = schedulers.use("tls", ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-                                    "--executor-auth-token", EXECUTOR_SECRET], tls_channel)
+    target = schedulers.use(
+        "tls",
+        [
+            "--tls-cert",
+            str(pki / "server.pem"),
+            "--tls-key",
+            str(pki / "server.key"),
+            "--executor-auth-token",
+            EXECUTOR_SECRET,
+        ],
+        tls_channel,
+    )
     with Client(target, tls_ca=str(pki / "ca.pem")) as c:
         assert c.health(timeout=10) == SERVING
         out = c.complete("Hello", max_tokens=3, temperature=0.0, timeout=60)[0]
@@ -254,16 +332,30 @@ def test_tls_client_with_the_ca_works_and_a_plaintext_client_is_refused(schedule
 
 def test_mutual_tls_refuses_clients_without_a_certificate(schedulers, pki):
     def mtls_channel(target):
-        creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(),
-                                             (pki / "client.pem").read_bytes())
+        creds = grpc.ssl_channel_credentials(
+            (pki / "ca.pem").read_bytes(), (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes()
+        )
         return grpc.secure_channel(target, creds)
 
-    target = schedulers.use("mtls", ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-                                     "--tls-client-ca", str(pki / "ca.pem"), "--executor-auth-token", EXECUTOR_SECRET],
-                            mtls_channel)
+    target = schedulers.use(
+        "mtls",
+        [
+            "--tls-cert",
+            str(pki / "server.pem"),
+            "--tls-key",
+            str(pki / "server.key"),
+            "--tls-client-ca",
+            str(pki / "ca.pem"),
+            "--executor-auth-token",
+            EXECUTOR_SECRET,
+        ],
+        mtls_channel,
+    )
     with Client(target, tls_ca=str(pki / "ca.pem")) as c, pytest.raises(grpc.RpcError) as info:
         c.model_info()
     assert info.value.code() == UNAVAILABLE
-    with Client(target, tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key")) as c:
+    with Client(
+        target, tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key")
+    ) as c:
         out = c.complete("Hello", max_tokens=3, temperature=0.0, timeout=60)[0]
         assert out.finish_reason in ("length", "stop") and out.token_ids

@@ -6,6 +6,7 @@ sends GOAWAY; a stream already running on that connection keeps going (for up
 to the grace period, here --drain-timeout), and new calls go over a fresh
 connection without the caller noticing.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,10 @@ MAX_AGE_S = 1.0
 
 @pytest.fixture(scope="module")
 def servers():
-    s = Servers(executor_args=["--dtype", "float32", "--kv-cache-gib", "0.25"],
-                scheduler_args=["--max-connection-age", str(MAX_AGE_S), "--drain-timeout", "30"])
+    s = Servers(
+        executor_args=["--dtype", "float32", "--kv-cache-gib", "0.25"],
+        scheduler_args=["--max-connection-age", str(MAX_AGE_S), "--drain-timeout", "30"],
+    )
     s.public_addr = f"unix://{s.tmp}/public.sock"
     with s:
         yield s

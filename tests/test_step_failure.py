@@ -4,6 +4,7 @@ The real scheduler front end (gRPC server, engine, scheduler) runs in process
 against a FakeExecutor behind a stand-in ExecutorConnection; the fake fails one
 step for one request, as the executor reports a kernel exception.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,13 +34,27 @@ class FakeClient:
         self.results = collections.deque()
 
     async def connect(self, block_size, max_num_batched_tokens, max_num_seqs, timeout_s=5.0) -> ExecutorInfo:
-        self.executor = FakeExecutor(block_size, 64, VOCAB, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens)
+        self.executor = FakeExecutor(
+            block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
         return ExecutorInfo(
-            model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None,
-            max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="x", device="cpu",
-            attention_backend="fake", tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
-            eos_token="", add_bos_token=False,
+            model_name="fake",
+            architecture="llama",
+            vocab_size=VOCAB,
+            eos_token_ids=(),
+            bos_token_id=None,
+            max_model_len=512,
+            dtype="float32",
+            num_kv_blocks=64,
+            kv_cache_bytes=0,
+            instance_id="x",
+            device="cpu",
+            attention_backend="fake",
+            tokenizer_json=word_tokenizer_json(VOCAB),
+            chat_template="",
+            bos_token="",
+            eos_token="",
+            add_bos_token=False,
         )
 
     async def send(self, plan):

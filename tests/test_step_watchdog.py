@@ -8,6 +8,7 @@ comes back the requests resume by recompute with the tokens they would have
 had anyway, and if it stays away they fail UNAVAILABLE. Either way every KV
 block is free afterwards. tests/test_faults.py does the same with SIGSTOP.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,14 +43,28 @@ class HangingClient:
             raise ExecutorLost("handshake timed out")
         # A new stream on a fresh executor state: the old stream's answers can never arrive on it.
         self.streams += 1
-        self.executor = FakeExecutor(block_size, 64, VOCAB, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens)
+        self.executor = FakeExecutor(
+            block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
         self.results = collections.deque()
         return ExecutorInfo(
-            model_name="fake", architecture="llama", vocab_size=VOCAB, eos_token_ids=(), bos_token_id=None,
-            max_model_len=512, dtype="float32", num_kv_blocks=64, kv_cache_bytes=0, instance_id="x", device="cpu",
-            attention_backend="fake", tokenizer_json=word_tokenizer_json(VOCAB), chat_template="", bos_token="",
-            eos_token="", add_bos_token=False,
+            model_name="fake",
+            architecture="llama",
+            vocab_size=VOCAB,
+            eos_token_ids=(),
+            bos_token_id=None,
+            max_model_len=512,
+            dtype="float32",
+            num_kv_blocks=64,
+            kv_cache_bytes=0,
+            instance_id="x",
+            device="cpu",
+            attention_backend="fake",
+            tokenizer_json=word_tokenizer_json(VOCAB),
+            chat_template="",
+            bos_token="",
+            eos_token="",
+            add_bos_token=False,
         )
 
     async def send(self, plan):
@@ -76,12 +91,14 @@ def expected_tokens(n: int) -> list[int]:
     tokens = list(PROMPT)
     for _ in range(n):
         tokens.append(reference_next_token(tokens, VOCAB))
-    return tokens[len(PROMPT):]
+    return tokens[len(PROMPT) :]
 
 
 async def start(recovery_timeout_s: float) -> tuple[Engine, HangingClient, asyncio.Task, list[bool]]:
     client = HangingClient()
-    engine = Engine(SchedulerServiceConfig(step_timeout_s=STEP_TIMEOUT_S, executor_recovery_timeout_s=recovery_timeout_s), client)
+    engine = Engine(
+        SchedulerServiceConfig(step_timeout_s=STEP_TIMEOUT_S, executor_recovery_timeout_s=recovery_timeout_s), client
+    )
     changes: list[bool] = []
     engine.on_connection_change(changes.append)
     await engine.connect()
@@ -89,7 +106,9 @@ async def start(recovery_timeout_s: float) -> tuple[Engine, HangingClient, async
 
 
 def submit(engine: Engine, request_id: str, max_tokens: int):
-    return engine.submit(GenerationInput(request_id, list(PROMPT), SamplingParams(temperature=0.0), 1, max_tokens, ignore_eos=True))
+    return engine.submit(
+        GenerationInput(request_id, list(PROMPT), SamplingParams(temperature=0.0), 1, max_tokens, ignore_eos=True)
+    )
 
 
 async def collect(handle) -> tuple[list[int], object]:

@@ -6,6 +6,7 @@ leak, n > 1 samples that share the prompt's KV and reproduce single requests,
 cancellation and deadlines that free KV blocks at once, min_tokens, logprobs,
 seeds that reproduce whatever else is running, and the unary helpers.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,7 +73,9 @@ def assert_well_formed(msgs, n: int = 1, prompt_tokens: int | None = None) -> No
         assert sample[-1].finish_reason is not None, f"sample {index} has no final message"
         assert all(m.finish_reason is None for m in sample[:-1]), f"sample {index} finished twice"
         assert sample[-1].usage is not None
-        assert sample[-1].usage.completion_tokens == len(token_ids(sample)), f"sample {index}: usage disagrees with the stream"
+        assert sample[-1].usage.completion_tokens == len(token_ids(sample)), (
+            f"sample {index}: usage disagrees with the stream"
+        )
         if prompt_tokens is not None:
             assert sample[-1].usage.prompt_tokens == prompt_tokens
 
@@ -82,7 +85,11 @@ def assert_well_formed(msgs, n: int = 1, prompt_tokens: int | None = None) -> No
 DETOK_CASES = [
     dict(messages=[{"role": "user", "content": "Reply only with emoji, at least twenty: 🎉🐍🔥🌍🚀😀🦊🍕"}]),
     dict(messages=[{"role": "user", "content": "用中文写一首关于大海和月亮的短诗。"}]),
-    dict(messages=[{"role": "user", "content": "Écris une phrase: déjà, où, naïve, garçon. Затем по-русски, then 日本語で。"}]),
+    dict(
+        messages=[
+            {"role": "user", "content": "Écris une phrase: déjà, où, naïve, garçon. Затем по-русски, then 日本語で。"}
+        ]
+    ),
     dict(prompt="Emoji story: 🐉🏰👑🗡️✨ Once upon a time, 🧙‍♂️"),
     dict(prompt="The three laws of thermodynamics are"),
 ]
@@ -90,8 +97,12 @@ DETOK_CASES = [
 
 def test_text_deltas_concatenate_to_the_detokenized_tokens(client):
     with ThreadPoolExecutor(len(DETOK_CASES)) as pool:
-        runs = list(pool.map(lambda i: stream(client, **DETOK_CASES[i], max_tokens=40, temperature=0.8, seed=i),
-                             range(len(DETOK_CASES))))
+        runs = list(
+            pool.map(
+                lambda i: stream(client, **DETOK_CASES[i], max_tokens=40, temperature=0.8, seed=i),
+                range(len(DETOK_CASES)),
+            )
+        )
     split_characters = 0  # characters spread over several tokens: what the hold-back logic exists for
     for case, msgs in zip(DETOK_CASES, runs):
         assert_well_formed(msgs)
@@ -129,7 +140,7 @@ def test_one_stop_string_is_one_string_not_its_characters(client, greedy_base):
     base_ids, text = greedy_base
     stop = pick_stop(client, base_ids, text)
     single = client.complete(STOP_PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True, stop=stop, timeout=180)[0]
-    assert single.finish_reason == STOP and single.matched_stop == stop and single.text == text[:text.find(stop)]
+    assert single.finish_reason == STOP and single.matched_stop == stop and single.text == text[: text.find(stop)]
     whole = client.complete(STOP_PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True, stop=[stop], timeout=180)[0]
     assert (single.text, single.token_ids) == (whole.text, whole.token_ids)
 
@@ -140,8 +151,15 @@ def test_stop_string_ends_the_text_right_before_it_and_frees_blocks(client, gree
     stop = pick_stop(client, base_ids, text)
     at = text.find(stop)
 
-    msgs = stream(client, STOP_PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True, stop=[stop, "never-in-output-§"],
-                  include_stop_str_in_output=include)
+    msgs = stream(
+        client,
+        STOP_PROMPT,
+        max_tokens=32,
+        temperature=0.0,
+        ignore_eos=True,
+        stop=[stop, "never-in-output-§"],
+        include_stop_str_in_output=include,
+    )
     status = client.server_status()  # the stop frees the sample's blocks before its last message is sent
     assert status.kv_blocks_used == 0 and status.num_running == 0, status
     assert_well_formed(msgs)
@@ -153,14 +171,20 @@ def test_stop_string_ends_the_text_right_before_it_and_frees_blocks(client, gree
     if not include:
         assert not any(stop in m.text for m in msgs)
     ids = token_ids(msgs)
-    assert ids == base_ids[: len(ids)] and len(ids) < len(base_ids), "generation did not stop where the stop string appeared"
+    assert ids == base_ids[: len(ids)] and len(ids) < len(base_ids), (
+        "generation did not stop where the stop string appeared"
+    )
 
 
 # ---- n > 1 ----------------------------------------------------------------------------------
 
+
 def test_n_samples_each_finish_reproduce_single_requests_and_share_the_prompt(client):
     # A prompt nobody sent before, 5+ blocks long, so every prefix hit below comes from the n samples.
-    prompt = f"Samples share a prompt (n-test {uuid.uuid4().hex[:8]}). " + "The Roman Empire spanned many centuries and lands. " * 7
+    prompt = (
+        f"Samples share a prompt (n-test {uuid.uuid4().hex[:8]}). "
+        + "The Roman Empire spanned many centuries and lands. " * 7
+    )
     prompt_len = len(client.tokenize(prompt))
     assert prompt_len > 4 * BLOCK_SIZE
     full_blocks = (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always recomputed
@@ -171,21 +195,29 @@ def test_n_samples_each_finish_reproduce_single_requests_and_share_the_prompt(cl
     assert {m.request_id for m in msgs} and len({m.request_id for m in msgs}) == 1
     samples = by_index(msgs)
     cached = sorted(samples[i][-1].usage.cached_prompt_tokens for i in range(4))
-    assert cached == [0, full_blocks, full_blocks, full_blocks], "samples after the first did not reuse the prompt's blocks"
+    assert cached == [0, full_blocks, full_blocks, full_blocks], (
+        "samples after the first did not reuse the prompt's blocks"
+    )
     assert after.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens == 3 * full_blocks
     assert len({tuple(token_ids(s)) for s in samples.values()}) > 1, "four samples at temperature 1 all agree"
     with ThreadPoolExecutor(4) as pool:
-        singles = list(pool.map(lambda i: stream(client, prompt, seed=77 + i, temperature=1.0, max_tokens=12), range(4)))
+        singles = list(
+            pool.map(lambda i: stream(client, prompt, seed=77 + i, temperature=1.0, max_tokens=12), range(4))
+        )
     for i, single in enumerate(singles):
         assert token_ids(single) == token_ids(samples[i]), f"sample {i} differs from a single request with seed 77+{i}"
     wait_idle(client, timeout=1.0)
 
 
-@pytest.mark.parametrize("live,late", [(("fan", 2), ("fan#0", 1)), (("solo#1", 1), ("solo", 2))], ids=["sample-id", "request-id"])
+@pytest.mark.parametrize(
+    "live,late", [(("fan", 2), ("fan#0", 1)), (("solo#1", 1), ("solo", 2))], ids=["sample-id", "request-id"]
+)
 def test_request_id_that_names_a_live_sample_is_refused_and_harms_nothing(client, live, late):
     # Samples of n > 1 run as "<id>#<i>": a request literally named so must not take over their stream.
     (live_id, live_n), (late_id, late_n) = live, late
-    call = client.generate("Tell me a story.", request_id=live_id, n=live_n, max_tokens=12, ignore_eos=True, timeout=120)
+    call = client.generate(
+        "Tell me a story.", request_id=live_id, n=live_n, max_tokens=12, ignore_eos=True, timeout=120
+    )
     first = next(call)
     with pytest.raises(grpc.RpcError) as info:
         stream(client, "Hi", request_id=late_id, n=late_n, max_tokens=2, timeout=30)
@@ -201,15 +233,25 @@ def test_seeds_of_n_samples_wrap_around_at_two_to_the_64(client):
     top = 2**64 - 1
     samples = by_index(stream(client, "Pick a number:", n=2, seed=top, temperature=1.0, max_tokens=6))
     for i, seed in enumerate((top, 0)):
-        assert token_ids(stream(client, "Pick a number:", seed=seed, temperature=1.0, max_tokens=6)) == token_ids(samples[i])
+        assert token_ids(stream(client, "Pick a number:", seed=seed, temperature=1.0, max_tokens=6)) == token_ids(
+            samples[i]
+        )
 
 
 # ---- cancellation and deadlines ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_cancelled_stream_frees_its_blocks_within_two_steps(client, n):
-    call = client.generate("Write a very long story about a lighthouse keeper.", n=n, max_tokens=500, ignore_eos=True,
-                           temperature=1.0, seed=5, timeout=120)
+    call = client.generate(
+        "Write a very long story about a lighthouse keeper.",
+        n=n,
+        max_tokens=500,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=5,
+        timeout=120,
+    )
     received = 0
     for msg in call:
         received += len(msg.token_ids)
@@ -223,14 +265,16 @@ def test_cancelled_stream_frees_its_blocks_within_two_steps(client, n):
 
 
 def test_closing_or_dropping_a_stream_cancels_its_request(client):
-    with client.generate("Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True,
-                         timeout=120) as stream:
+    with client.generate(
+        "Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True, timeout=120
+    ) as stream:
         next(stream)
         assert client.server_status().num_running == 1
     wait_idle(client, timeout=5)  # closed, still referenced: cancelled by close(), not by garbage collection
     assert stream.code() == grpc.StatusCode.CANCELLED
-    for _ in client.generate("Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True,
-                             timeout=120):
+    for _ in client.generate(
+        "Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True, timeout=120
+    ):
         break  # the loop held the only reference
     wait_idle(client, timeout=5)
 
@@ -250,7 +294,9 @@ def test_async_client_tokenizes_like_the_sync_one(servers, client):
 def test_deadline_exceeded_aborts_and_frees(client):
     start = client.server_status().num_steps
     with pytest.raises(grpc.RpcError) as info:
-        stream(client, "Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True, timeout=0.5)
+        stream(
+            client, "Write a very long story about a lighthouse keeper.", max_tokens=500, ignore_eos=True, timeout=0.5
+        )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     idle = wait_idle(client)
     # 500 tokens would take hundreds of steps; the abort came with the deadline.
@@ -258,6 +304,7 @@ def test_deadline_exceeded_aborts_and_frees(client):
 
 
 # ---- unary helpers and request ids ----------------------------------------------------------
+
 
 def test_tokenize_detokenize_model_info_and_request_ids(client):
     info = client.model_info()
@@ -284,6 +331,7 @@ def test_tokenize_detokenize_model_info_and_request_ids(client):
 
 
 # ---- min_tokens and logprobs ----------------------------------------------------------------
+
 
 def test_min_tokens_holds_back_stop_tokens(client):
     prompt = "Count: one, two, three,"
@@ -323,7 +371,9 @@ def test_min_tokens_holds_back_stop_strings(client):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_report_the_sampled_token_and_sorted_top_n(client, temperature):
-    msgs = stream(client, "A list of fruits: apple, banana,", max_tokens=10, temperature=temperature, seed=3, logprobs=5)
+    msgs = stream(
+        client, "A list of fruits: apple, banana,", max_tokens=10, temperature=temperature, seed=3, logprobs=5
+    )
     assert_well_formed(msgs)
     entries = 0
     for m in msgs:
@@ -346,13 +396,23 @@ def test_logprobs_report_the_sampled_token_and_sorted_top_n(client, temperature)
 
 # ---- seeds ---------------------------------------------------------------------------------
 
+
 def test_seed_reproduces_alone_and_amid_other_traffic(client):
     prompt = "Invent a name for a cat:"  # under one block: no prefix-cache hit on the second run
     run = lambda: token_ids(stream(client, prompt, seed=2024, temperature=1.0, max_tokens=12, ignore_eos=True))
     alone = run()
     with ThreadPoolExecutor(6) as pool:
-        noise = [pool.submit(stream, client, f"Background request {i}: tell me about rivers.", max_tokens=16 + 2 * i,
-                             temperature=1.0, ignore_eos=True) for i in range(5)]
+        noise = [
+            pool.submit(
+                stream,
+                client,
+                f"Background request {i}: tell me about rivers.",
+                max_tokens=16 + 2 * i,
+                temperature=1.0,
+                ignore_eos=True,
+            )
+            for i in range(5)
+        ]
         while client.server_status().num_running < 5:
             time.sleep(0.01)
         amid = pool.submit(run).result()

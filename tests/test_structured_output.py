@@ -6,6 +6,7 @@ congruent to k mod 7 are allowed, and it is complete after `length` tokens,
 so every output can be checked against it and any desync between matcher and
 outputs shows. Real grammars (llguidance) are in test_structured_output_e2e.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,7 @@ def test_packed_mask_round_trips_and_has_the_uint32_layout(case):
     row = pack_allowed(allowed, vocab)
     assert len(row) == mask_width_bytes(vocab) == 4 * math.ceil(vocab / 32)
     assert unpack_allowed(row, vocab) == sorted(allowed)
-    words = [int.from_bytes(row[i:i + 4], "little") for i in range(0, len(row), 4)]
+    words = [int.from_bytes(row[i : i + 4], "little") for i in range(0, len(row), 4)]
     assert {32 * w + b for w, word in enumerate(words) for b in range(32) if word >> b & 1} == allowed
 
 
@@ -53,7 +54,9 @@ def test_masks_and_bias_edit_only_their_rows_and_tokens(data):
     logits = torch.randn(rows, vocab)
     original = logits.clone()
     masks = [data.draw(st.none() | st.sets(st.integers(0, vocab - 1), min_size=1)) for _ in range(rows)]
-    biases = [data.draw(st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100), max_size=4)) for _ in range(rows)]
+    biases = [
+        data.draw(st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100), max_size=4)) for _ in range(rows)
+    ]
     params = [SamplingParams(logit_bias=tuple(sorted(b.items()))) for b in biases]
     edits = build_logit_edits(params, [None if m is None else pack_allowed(m, vocab) for m in masks], vocab, "cpu")
     if all(m is None for m in masks) and not any(biases):
@@ -76,8 +79,12 @@ def test_masked_argmax_and_sampling_pick_only_allowed_tokens():
     logits = torch.randn(4, vocab)
     logits[:, 5] = 50.0  # the model's clear favourite, disallowed below
     allowed = [{1, 2}, {63}, {5, 7}, {9, 10, 11}]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_p=0.9, seed=4)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_p=0.9, seed=4),
+    ]
     edits = build_logit_edits(params, [pack_allowed(a, vocab) for a in allowed], vocab, "cpu")
     md = build_sampling_metadata(params, [[1]] * 4, [[]] * 4, vocab, "cpu")
     tokens = Sampler()(apply_logit_edits(logits, edits), md).sampled_token_ids.tolist()
@@ -120,16 +127,23 @@ class StepGrammar:
 
 
 def make_scheduler(num_blocks=64, **overrides) -> Scheduler:
-    config = dict(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8,
-                  watermark=0.0)
+    config = dict(
+        num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8, watermark=0.0
+    )
     config.update(overrides)
     return Scheduler(SchedulerConfig(**config))
 
 
 def request(rid: str, prompt, max_tokens: int, grammar_length: int | None = None) -> Request:
     grammar = None if grammar_length is None else StepGrammar(grammar_length)
-    return Request(rid, list(prompt), SamplingParams(temperature=0.0), max_tokens=max_tokens,
-                   eos_token_ids=frozenset({EOS}), grammar=grammar)
+    return Request(
+        rid,
+        list(prompt),
+        SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({EOS}),
+        grammar=grammar,
+    )
 
 
 def check_follows_grammar(tokens: list[int]) -> None:
@@ -139,8 +153,11 @@ def check_follows_grammar(tokens: list[int]) -> None:
 @pytest.mark.parametrize("overlap", [False, True])
 def test_constrained_outputs_follow_the_grammar_and_finish_when_complete(overlap):
     s = make_scheduler()
-    reqs = [request("c0", [3, 4, 5], max_tokens=30, grammar_length=6), request("c1", [8, 9], max_tokens=4, grammar_length=9),
-            request("u", [3, 4, 5], max_tokens=10)]
+    reqs = [
+        request("c0", [3, 4, 5], max_tokens=30, grammar_length=6),
+        request("c1", [8, 9], max_tokens=4, grammar_length=9),
+        request("u", [3, 4, 5], max_tokens=10),
+    ]
     for r in reqs:
         s.add_request(r)
     out = run_steps(s, FakeExecutor.for_scheduler(s, VOCAB), overlap=overlap)
@@ -187,7 +204,9 @@ def _ids(plan: StepPlan) -> set[str]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_matcher_survives_preemption_and_recompute(overlap):
-    s = make_scheduler(num_blocks=9, max_model_len=24)  # 8 usable blocks of 4: the three (20 tokens each) cannot all fit
+    s = make_scheduler(
+        num_blocks=9, max_model_len=24
+    )  # 8 usable blocks of 4: the three (20 tokens each) cannot all fit
     reqs = [request(f"c{i}", [10 + i] * 6, max_tokens=14, grammar_length=100) for i in range(3)]
     for r in reqs:
         s.add_request(r)
@@ -257,8 +276,9 @@ def tiny_compiler():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(['{"name": "Ada", "age": 36}', "hello world", "0123456789 yes no maybe"] * 10, trainer)
     assert tok.token_to_id("<eos>") == EOS
     compiler = GrammarCompiler(tok.to_str(), 300, [EOS], timeout_s=0.2)
@@ -319,7 +339,9 @@ def test_the_scheduler_with_structured_output_stays_torch_free():
     import subprocess
     import sys
 
-    probe = ("import sys, scheduler_svc.__main__, scheduler_svc.grammar, scheduler_svc.server; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton')))")
+    probe = (
+        "import sys, scheduler_svc.__main__, scheduler_svc.grammar, scheduler_svc.server; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton')))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -2,6 +2,7 @@
 temperature-1 sampling, and the engine features around it (n > 1, preemption with a small
 KV cache, stop strings, max_tokens, a killed executor, compile errors and timeouts).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,25 +25,37 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.e2e
 
 PROMPT = "Reply with JSON describing a person, a city or a list of numbers."
-SETTINGS = settings(max_examples=10, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 # -- a strategy of small JSON schemas ---------------------------------------------------
 
 NAMES = ["name", "age", "city", "tags", "ok", "score", "kind", "items"]
 leaf = st.one_of(
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span}, st.integers(-50, 50), st.integers(0, 500)),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 500),
+    ),
     st.just({"type": "boolean"}),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 8)),
-    st.lists(st.text(string.ascii_lowercase, min_size=1, max_size=6), min_size=1, max_size=4, unique=True).map(lambda e: {"enum": e}),
+    st.lists(st.text(string.ascii_lowercase, min_size=1, max_size=6), min_size=1, max_size=4, unique=True).map(
+        lambda e: {"enum": e}
+    ),
     st.just({"type": "null"}),
 )
 
 
 def _object(children):
     return st.dictionaries(st.sampled_from(NAMES), children, min_size=1, max_size=3).flatmap(
-        lambda props: st.sets(st.sampled_from(sorted(props))).map(lambda req: {
-            "type": "object", "properties": props, "required": sorted(req), "additionalProperties": False}))
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(
+            lambda req: {"type": "object", "properties": props, "required": sorted(req), "additionalProperties": False}
+        )
+    )
 
 
 def _array(children):
@@ -50,7 +63,8 @@ def _array(children):
 
 
 schemas = st.recursive(leaf, lambda children: _object(children) | _array(children), max_leaves=5).filter(
-    lambda s: s.get("type") in ("object", "array"))
+    lambda s: s.get("type") in ("object", "array")
+)
 
 
 # -- the engine ---------------------------------------------------------------------
@@ -59,9 +73,10 @@ schemas = st.recursive(leaf, lambda children: _object(children) | _array(childre
 @pytest.fixture(scope="module")
 def servers():
     # ~0.03 GiB of KV (about 40 blocks of 16) and 64-token chunks: bursts preempt and recompute.
-    with Servers(executor_args=["--kv-cache-gib", "0.03"],
-                 scheduler_args=["--max-num-batched-tokens", "64", "--watermark", "0",
-                                 "--executor-recovery-timeout", "300"]) as s:
+    with Servers(
+        executor_args=["--kv-cache-gib", "0.03"],
+        scheduler_args=["--max-num-batched-tokens", "64", "--watermark", "0", "--executor-recovery-timeout", "300"],
+    ) as s:
         yield s
 
 
@@ -76,7 +91,9 @@ def generate(stub, constraint: pb.OutputConstraint | None, *, seed=0, n=1, max_t
     req = pb.GenerateRequest(
         chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=PROMPT)]),
         sampling=pb.SamplingParams(temperature=temperature, seed=seed, n=n),
-        stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=list(stop)), constraint=constraint)
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, stop=list(stop)),
+        constraint=constraint,
+    )
     texts: dict[int, str] = {}
     done = {}
     for r in stub.Generate(req, timeout=120):
@@ -97,8 +114,13 @@ def test_every_completed_output_validates_against_its_schema(stub, schema, seed)
             assert finish == pb.FINISH_REASON_LENGTH
 
 
-REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no), because [a-z ]{1,20}\.", r"[A-Z][a-z]{2,8} [0-9]{1,2}(st|nd|rd|th)",
-           r"#[0-9a-f]{6}", r"\d{1,6}(\.\d{1,3})?"]
+REGEXES = [
+    r"[0-9]{3}-[0-9]{4}",
+    r"(yes|no), because [a-z ]{1,20}\.",
+    r"[A-Z][a-z]{2,8} [0-9]{1,2}(st|nd|rd|th)",
+    r"#[0-9a-f]{6}",
+    r"\d{1,6}(\.\d{1,3})?",
+]
 
 
 @SETTINGS
@@ -109,8 +131,12 @@ def test_every_regex_output_matches(stub, regex, seed):
 
 
 @SETTINGS
-@given(choices=st.lists(st.text(string.ascii_letters + " ,.!-\"'", min_size=1, max_size=12), min_size=1, max_size=5,
-                        unique=True), seed=st.integers(0, 2**32))
+@given(
+    choices=st.lists(
+        st.text(string.ascii_letters + " ,.!-\"'", min_size=1, max_size=12), min_size=1, max_size=5, unique=True
+    ),
+    seed=st.integers(0, 2**32),
+)
 def test_every_choice_output_is_one_of_the_choices(stub, choices, seed):
     outs = generate(stub, pb.OutputConstraint(choice=pb.Choices(choices=choices)), seed=seed, n=3)
     assert all(text in choices and finish == pb.FINISH_REASON_STOP for text, finish, _, _ in outs.values()), outs
@@ -135,19 +161,35 @@ def test_json_object_gbnf_and_greedy_outputs(stub):
 
 
 def test_a_stop_string_still_ends_a_constrained_output(stub):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
-    [(text, finish, matched, _)] = generate(stub, pb.OutputConstraint(json_schema=json.dumps(schema)), stop=['"age"']).values()
-    assert finish == pb.FINISH_REASON_STOP and matched == '"age"' and text.lstrip("{ \n").startswith('"name"') and "age" not in text
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    [(text, finish, matched, _)] = generate(
+        stub, pb.OutputConstraint(json_schema=json.dumps(schema)), stop=['"age"']
+    ).values()
+    assert (
+        finish == pb.FINISH_REASON_STOP
+        and matched == '"age"'
+        and text.lstrip("{ \n").startswith('"name"')
+        and "age" not in text
+    )
 
 
 def test_bad_constraints_are_refused_at_once_with_the_compilers_message(stub):
-    cases = [(pb.OutputConstraint(json_schema='{"type": "objec"}'), "constraint.json_schema", "objec"),
-             (pb.OutputConstraint(json_schema='{"type": '), "constraint.json_schema", "not valid JSON"),
-             (pb.OutputConstraint(regex="(a"), "constraint.regex", "unclosed group"),
-             (pb.OutputConstraint(grammar=pb.Grammar(syntax=pb.Grammar.SYNTAX_LARK, source="start: nope")),
-              "constraint.grammar.source", "nope"),
-             (pb.OutputConstraint(choice=pb.Choices()), "constraint.choice.choices", "between 1")]
+    cases = [
+        (pb.OutputConstraint(json_schema='{"type": "objec"}'), "constraint.json_schema", "objec"),
+        (pb.OutputConstraint(json_schema='{"type": '), "constraint.json_schema", "not valid JSON"),
+        (pb.OutputConstraint(regex="(a"), "constraint.regex", "unclosed group"),
+        (
+            pb.OutputConstraint(grammar=pb.Grammar(syntax=pb.Grammar.SYNTAX_LARK, source="start: nope")),
+            "constraint.grammar.source",
+            "nope",
+        ),
+        (pb.OutputConstraint(choice=pb.Choices()), "constraint.choice.choices", "between 1"),
+    ]
     for constraint, field, words in cases:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -158,8 +200,11 @@ def test_bad_constraints_are_refused_at_once_with_the_compilers_message(stub):
 
 
 def test_logit_bias_forces_and_bans_tokens(stub):
-    req = pb.GenerateRequest(text="The capital of France is", sampling=pb.SamplingParams(temperature=0.0),
-                             stopping=pb.StoppingCriteria(max_tokens=4))
+    req = pb.GenerateRequest(
+        text="The capital of France is",
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=4),
+    )
     plain = [t for r in stub.Generate(req) for t in r.token_ids]
     req.sampling.logit_bias[plain[0]] = -100.0
     req.sampling.logit_bias[42] = 100.0
@@ -172,13 +217,20 @@ def test_logit_bias_forces_and_bans_tokens(stub):
 
 
 def test_a_burst_under_preemption_and_a_prefix_cache_stays_valid(servers, stub):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "population": {"type": "integer", "minimum": 0}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     before = stub.GetServerStatus(pb.GetServerStatusRequest())
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda seed: generate(stub, pb.OutputConstraint(json_schema=json.dumps(schema)),
-                                                      seed=seed, n=2), range(8)))
+        results = list(
+            pool.map(
+                lambda seed: generate(stub, pb.OutputConstraint(json_schema=json.dumps(schema)), seed=seed, n=2),
+                range(8),
+            )
+        )
     after = stub.GetServerStatus(pb.GetServerStatusRequest())
     assert after.num_preemptions > before.num_preemptions, "the small KV cache was meant to force preemption"
     assert after.prefix_cache_hits_tokens > before.prefix_cache_hits_tokens

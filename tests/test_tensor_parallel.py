@@ -4,6 +4,7 @@ The model is a tiny random Qwen2 (4 attention heads, 2 KV heads, q/k/v biases,
 an untied LM head) saved as an HF folder with a word-level tokenizer, so the
 real servers can load it: rank r of 2 holds heads 2r..2r+1 and KV head r.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,9 +82,23 @@ def test_a_size_that_does_not_divide_the_kv_heads_is_refused_at_start(tiny_model
         LlamaForCausalLM(config, DenseAttentionBackend(), tp_rank=0, tp_size=4)
     # The executor refuses before it starts any other rank, with the same message.
     proc = subprocess.run(
-        [sys.executable, "-m", "executor_svc", "--listen", "127.0.0.1:0", "--model", tiny_model,
-         "--tensor-parallel-size", "4", *EXECUTOR_ARGS],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "executor_svc",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            tiny_model,
+            "--tensor-parallel-size",
+            "4",
+            *EXECUTOR_ARGS,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode != 0
     assert "--tensor-parallel-size 4 does not divide num_key_value_heads=2" in proc.stderr + proc.stdout

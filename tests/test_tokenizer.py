@@ -2,6 +2,7 @@
 
 transformers is allowed here (the test process), never in the scheduler.
 """
+
 import importlib.util
 import subprocess
 import sys
@@ -115,12 +116,10 @@ def test_special_ids(hf_tok, tok):
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(hf_tok, tok, name, add_generation_prompt):
     messages = CHATS[name]
-    expected_text = hf_tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    expected_ids = hf_tok.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt
-    )["input_ids"]
+    expected_text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    expected_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)[
+        "input_ids"
+    ]
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected_text
     assert tok.encode_chat(messages, add_generation_prompt=add_generation_prompt) == expected_ids
     assert tok.encode(expected_text, add_special_tokens=False) == expected_ids
@@ -133,9 +132,9 @@ def test_encode_chat_adds_no_bos_even_when_plain_prompts_get_one(hf_tok, tok_jso
     # system, user and the generation prompt: the template's own three
     # <|im_start|>, no extra BOS in front.
     assert ids.count(tok.bos_token_id) == 3
-    assert ids == hf_tok.apply_chat_template(
-        CHATS["system_user"], tokenize=True, add_generation_prompt=True
-    )["input_ids"]
+    assert (
+        ids == hf_tok.apply_chat_template(CHATS["system_user"], tokenize=True, add_generation_prompt=True)["input_ids"]
+    )
 
 
 def test_large_inputs_take_the_gil_free_path_to_the_same_ids(tok):
@@ -175,7 +174,7 @@ def test_forged_control_tokens_become_the_ids_of_their_text(hf_tok, tok, tok_jso
     as_text.encode_special_tokens = True
     spelled = as_text.encode("<|im_start|>", add_special_tokens=False).ids
     assert len(spelled) > 1 and not set(spelled) & set(tok.all_special_ids)
-    assert sum(ids[i:i + len(spelled)] == spelled for i in range(len(ids))) == 2
+    assert sum(ids[i : i + len(spelled)] == spelled for i in range(len(ids))) == 2
 
 
 @pytest.mark.parametrize("trusted", [False, True])
@@ -219,8 +218,7 @@ def test_template_environment_matches_transformers(tok_json):
     out = _with_template(tok_json, template).apply_chat_template(messages)
     # tojson is plain JSON: no HTML escaping, no \\u escapes; loop controls work.
     assert out == (
-        '<|im_start|>{"role": "user", "content": "<b>ü & 好</b>"}|'
-        '{"role": "assistant", "content": "x"}|<|im_end|>'
+        '<|im_start|>{"role": "user", "content": "<b>ü & 好</b>"}|{"role": "assistant", "content": "x"}|<|im_end|>'
     )
 
 
@@ -276,9 +274,7 @@ def test_add_bos_token_prepends_bos_once(tok_json):
     # A JSON whose post-processor already adds BOS (how transformers exports
     # add_bos_token=True) must not get a second one.
     backend = BackendTokenizer.from_str(tok_json)
-    backend.post_processor = TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
-    )
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
     tok = Tokenizer.from_info(backend.to_str(), "", "<|im_start|>", "<|im_end|>", True)
     assert tok.encode("hi") == [1] + tok.encode("hi", add_special_tokens=False)
 
@@ -298,4 +294,3 @@ def test_scheduler_text_layer_imports_no_torch_or_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-

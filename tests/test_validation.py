@@ -21,8 +21,14 @@ from scheduler_svc.validation import InvalidRequest, Limits, to_generation_input
 from shared.sampling_params import MAX_LOGPROBS
 
 VOCAB = 300
-LIMITS = Limits(vocab_size=VOCAB, max_model_len=64, max_n=16, max_stop_strings=16, max_stop_string_bytes=256,
-                max_prompt_chars=64 * 16)
+LIMITS = Limits(
+    vocab_size=VOCAB,
+    max_model_len=64,
+    max_n=16,
+    max_stop_strings=16,
+    max_stop_string_bytes=256,
+    max_prompt_chars=64 * 16,
+)
 INVALID, OUT_OF_RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 

@@ -15,6 +15,7 @@ The venv is a plain one (no system site-packages); pip finds the few small
 dependencies through its usual configuration (the machine's local indexes,
 then PyPI), and torch is never asked for.
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,14 +34,22 @@ from tests.servers import REPO, Servers, free_port, wait_serving
 
 pytestmark = pytest.mark.slow
 TOP_LEVEL = {"pagedserve", "pagedserve_client", "scheduler_svc", "executor_svc", "shared", "openai_gateway"}
-GENERATED = [f"pagedserve/{p}{s}" for p in ("v1/generation", "executor/v1/executor") for s in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")]
+GENERATED = [
+    f"pagedserve/{p}{s}"
+    for p in ("v1/generation", "executor/v1/executor")
+    for s in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
+]
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), REPO],
-                   check=True, timeout=300, cwd=out)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), REPO],
+        check=True,
+        timeout=300,
+        cwd=out,
+    )
     return glob.glob(str(out / "pagedserve-*.whl"))[0]
 
 
@@ -55,7 +64,10 @@ def test_wheel_holds_generated_code_and_native_sources_and_no_bench_or_tests(whe
         names = set(z.namelist())
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == TOP_LEVEL
     assert set(GENERATED) <= names
-    native = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "executor_svc", "**", "native", "*.[ch]"), recursive=True)}
+    native = {
+        os.path.relpath(p, REPO)
+        for p in glob.glob(os.path.join(REPO, "executor_svc", "**", "native", "*.[ch]"), recursive=True)
+    }
     assert native and native <= names, native - names
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
 
@@ -63,7 +75,12 @@ def test_wheel_holds_generated_code_and_native_sources_and_no_bench_or_tests(whe
 def test_client_requirements_have_no_torch_and_server_has_every_role(wheel):
     requires = metadata(wheel).get_all("Requires-Dist")
     client = [r for r in requires if "extra ==" not in r]
-    assert {r.split(">")[0].split("<")[0] for r in client} == {"grpcio", "grpcio-health-checking", "grpcio-status", "protobuf"}
+    assert {r.split(">")[0].split("<")[0] for r in client} == {
+        "grpcio",
+        "grpcio-health-checking",
+        "grpcio-status",
+        "protobuf",
+    }
     by_extra: dict[str, set[str]] = {}
     for r in requires:
         if "extra ==" in r:
@@ -86,8 +103,9 @@ def venv(wheel, tmp_path_factory):
 
 def run(venv, *args, timeout=300):
     path, env, cwd = venv
-    return subprocess.run([str(path / "bin" / args[0]), *args[1:]], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(path / "bin" / args[0]), *args[1:]], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def pip_install(venv, spec: str) -> None:
@@ -96,7 +114,12 @@ def pip_install(venv, spec: str) -> None:
 
 
 def importable(venv, module: str) -> bool:
-    return run(venv, "python", "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)").returncode == 0
+    return (
+        run(
+            venv, "python", "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+        ).returncode
+        == 0
+    )
 
 
 def test_client_only_install_has_no_torch(venv, wheel):
@@ -119,22 +142,43 @@ def test_cli_scheduler_and_gateway_run_from_the_wheel_without_torch(venv, wheel)
         s.start_executor()
         path, env, cwd = venv
         py = str(path / "bin" / "python")
-        s.scheduler = subprocess.Popen([py, "-m", "scheduler_svc", "--listen", s.public_addr, "--executor", s.executor_addr],
-                                       env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        s.scheduler = subprocess.Popen(
+            [py, "-m", "scheduler_svc", "--listen", s.public_addr, "--executor", s.executor_addr],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         http = f"127.0.0.1:{free_port()}"
-        gateway = subprocess.Popen([py, "-m", "openai_gateway", "--listen", http, "--scheduler", s.public_addr],
-                                   env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gateway = subprocess.Popen(
+            [py, "-m", "openai_gateway", "--listen", http, "--scheduler", s.public_addr],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_serving(s.public_addr, [s.executor, s.scheduler])
 
         health = run(venv, "pagedserve", "--target", s.public_addr, "health")
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
-        done = run(venv, "pagedserve", "--target", s.public_addr, "generate", "The capital of France is",
-                   "--max-tokens", "4", "--temperature", "0")
+        done = run(
+            venv,
+            "pagedserve",
+            "--target",
+            s.public_addr,
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        )
         assert done.returncode == 0 and done.stdout.strip(), done.stderr
 
         models = _get_json(f"http://{http}/v1/models", gateway)
-        body = json.dumps({"model": models["data"][0]["id"], "prompt": "The capital of France is", "max_tokens": 4,
-                           "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": models["data"][0]["id"], "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        ).encode()
         request = urllib.request.Request(f"http://{http}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             completion = json.load(r)

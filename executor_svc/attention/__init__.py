@@ -8,6 +8,7 @@ KV cache layout, per layer, allocated once at start:
 Block 0 is the reserved null block: padding entries of block tables point to
 it, and nothing a request reads is ever stored there.
 """
+
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
 

@@ -26,6 +26,7 @@ order, key chunks of 16 from position 0 with an online softmax, whatever
 the batch, the chunking or the thread count (the kernel's split of work
 across threads never splits a head's sums).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ class CpuAttentionBackend:
             prefills = _prefill_items(meta, self._prefill_kernel.tokens_per_item)
         meta.extra[self.name] = _CpuStepLayout(decodes, has_prefills, prefills)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         plan = meta.extra.get(self.name)
         if plan is None:
             raise RuntimeError("CpuAttentionBackend.forward before prepare(meta) for this step")
@@ -126,8 +128,7 @@ class CpuAttentionBackend:
         bf16 = int(k_cache.dtype == torch.bfloat16)
 
         if plan.has_prefills:
-            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale,
-                                                 target)
+            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
             if prefill_rows is None:  # no native path for this shape or CPU: SDPA
                 if self._prefills.name not in meta.extra:
                     self._prefills.prepare(meta)  # once per step, shared by the layers
@@ -143,13 +144,29 @@ class CpuAttentionBackend:
         else:
             seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
         status = self._kernel(
-            target.data_ptr(), target.stride(0), target.stride(1),
-            q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), bf16,
-            tables.data_ptr(), tables.stride(0),
-            seq_lens.data_ptr(), d.tokens.data_ptr(), d.tokens.data_ptr(), d.seq_index.data_ptr(), d.tokens.numel(),
-            num_heads, num_kv_heads, head_dim, meta.block_size, d.max_seq_len,
-            scale, torch.get_num_threads(),
+            target.data_ptr(),
+            target.stride(0),
+            target.stride(1),
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            bf16,
+            tables.data_ptr(),
+            tables.stride(0),
+            seq_lens.data_ptr(),
+            d.tokens.data_ptr(),
+            d.tokens.data_ptr(),
+            d.seq_index.data_ptr(),
+            d.tokens.numel(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            meta.block_size,
+            d.max_seq_len,
+            scale,
+            torch.get_num_threads(),
         )
         if status != 0:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
@@ -157,21 +174,46 @@ class CpuAttentionBackend:
             out.index_copy_(0, d.tokens, target.index_select(0, d.tokens).to(out.dtype))
         return out
 
-    def _native_prefills(self, items: _PrefillItems | None, q, k_cache, v_cache, tables, bf16: int,
-                         meta: AttentionMetadata, scale: float, target) -> torch.Tensor | None:
+    def _native_prefills(
+        self,
+        items: _PrefillItems | None,
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        bf16: int,
+        meta: AttentionMetadata,
+        scale: float,
+        target,
+    ) -> torch.Tensor | None:
         """Every prefill token's attention into `target` through the native
         kernel; returns the prefill query rows, or None (nothing written)
         where there is no kernel or it has no path for this shape or CPU."""
         if items is None:
             return None
         status = self._prefill_kernel.attend(
-            target.data_ptr(), target.stride(0), target.stride(1),
-            q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), bf16,
-            tables.data_ptr(), tables.stride(0),
-            items.token.data_ptr(), items.count.data_ptr(), items.pos.data_ptr(), items.seq_index.data_ptr(),
-            items.token.numel(), q.shape[1], k_cache.shape[2], q.shape[2], meta.block_size,
-            scale, torch.get_num_threads(),
+            target.data_ptr(),
+            target.stride(0),
+            target.stride(1),
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            bf16,
+            tables.data_ptr(),
+            tables.stride(0),
+            items.token.data_ptr(),
+            items.count.data_ptr(),
+            items.pos.data_ptr(),
+            items.seq_index.data_ptr(),
+            items.token.numel(),
+            q.shape[1],
+            k_cache.shape[2],
+            q.shape[2],
+            meta.block_size,
+            scale,
+            torch.get_num_threads(),
         )
         if status == -1:
             return None
@@ -192,9 +234,13 @@ def _every_token_decodes(meta: AttentionMetadata) -> _Decodes:
     token = torch.arange(meta.num_tokens, dtype=torch.int64)
     lengths = seq_lens[row] - query_lens[row] + (token - starts[row]) + 1
     tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
-    return _Decodes(tokens=token, seq_index=torch.arange(meta.num_tokens, dtype=torch.int32),
-                    max_seq_len=max(meta.seq_lens_cpu), block_tables=tables.index_select(0, row).contiguous(),
-                    seq_lens=lengths.to(torch.int32))
+    return _Decodes(
+        tokens=token,
+        seq_index=torch.arange(meta.num_tokens, dtype=torch.int32),
+        max_seq_len=max(meta.seq_lens_cpu),
+        block_tables=tables.index_select(0, row).contiguous(),
+        seq_lens=lengths.to(torch.int32),
+    )
 
 
 def _prefill_items(meta: AttentionMetadata, n: int) -> _PrefillItems:

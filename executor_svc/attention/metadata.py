@@ -10,6 +10,7 @@ Query token j of request i sits at absolute position seq_lens[i] - query_len[i] 
 and attends to positions 0..that position (causal). Its KV lives in slot
 block_tables[i][pos // block_size] * block_size + pos % block_size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

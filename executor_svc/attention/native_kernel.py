@@ -5,6 +5,7 @@ via ctypes: native/paged_decode.c and native/paged_prefill.c.
 here, and the CPU backend then falls back to plain torch. Their signatures
 are declared once, in executor_svc/native_signatures.py.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -11,6 +11,7 @@ table, and the new tokens' K/V are handed over separately for `write_kv`.
 Every cache slot no request owns (block 0, the tails of last blocks, spare
 blocks) is filled with `poison` so that reading one shows up in the output.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,10 @@ from executor_svc.attention.metadata import AttentionMetadata
 
 
 def dense_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
     compute_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Causal GQA attention for one request whose new tokens are its last ones.
@@ -62,7 +66,7 @@ class SyntheticBatch:
         """The reference output [T, H, D] for the whole batch."""
         loc = self.meta.query_start_loc.tolist()
         outs = [
-            dense_attention(self.query[loc[i]:loc[i + 1]], k, v, self.scale, compute_dtype)
+            dense_attention(self.query[loc[i] : loc[i + 1]], k, v, self.scale, compute_dtype)
             for i, (k, v) in enumerate(zip(self.keys, self.values))
         ]
         return torch.cat(outs)
@@ -137,7 +141,13 @@ def make_batch(
         seq_lens_cpu=seq_lens,
     )
     return SyntheticBatch(
-        meta=meta, query=torch.cat(queries), new_key=torch.cat(new_keys),
-        new_value=torch.cat(new_values), k_cache=k_cache, v_cache=v_cache,
-        keys=keys, values=values, scale=head_dim ** -0.5,
+        meta=meta,
+        query=torch.cat(queries),
+        new_key=torch.cat(new_keys),
+        new_value=torch.cat(new_values),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        keys=keys,
+        values=values,
+        scale=head_dim**-0.5,
     )

@@ -34,6 +34,7 @@ included), and SDPA would propagate a NaN score even where masked.
 
 The gather plans are built once per step in prepare() and shared by all layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -128,7 +129,12 @@ class TorchAttentionBackend:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
     def forward(
-        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = meta.extra.get(self.name)
@@ -161,16 +167,22 @@ class TorchAttentionBackend:
             v = torch.index_select(v_rows, 0, p.slots, out=v_ws[:rows])
             k = k.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
             v = v.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-            q = query[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                                               enable_gqa=True)
-            out[p.start:p.end] = o[0].transpose(0, 1)
+            q = query[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+            )
+            out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
     def _workspace_for(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace
-        if ws is None or ws.shape[1] < rows or ws.shape[2] != like.shape[1] or ws.dtype != like.dtype \
-                or ws.device != like.device:
+        if (
+            ws is None
+            or ws.shape[1] < rows
+            or ws.shape[2] != like.shape[1]
+            or ws.dtype != like.dtype
+            or ws.device != like.device
+        ):
             # Grow by 25% beyond the need so a slowly growing batch does not reallocate every step.
             ws = like.new_empty(2, max(rows, rows * 5 // 4), like.shape[1])
             self._workspace = ws

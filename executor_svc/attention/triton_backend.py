@@ -24,6 +24,7 @@ read, whatever they hold.
 With TRITON_INTERPRET=1 set before triton is first imported, the same kernels
 run in Triton's interpreter on CPU tensors; that is how the tests run them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,11 +40,23 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    key_stride_t, key_stride_h, value_stride_t, value_stride_h,
-    cache_stride_block, cache_stride_slot, cache_stride_h,
-    block_size, num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_h,
+    block_size,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -59,14 +72,32 @@ def _reshape_and_cache_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
     scale,
-    q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-    cache_stride_block, cache_stride_slot, cache_stride_h, block_tables_stride,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_h,
+    block_tables_stride,
     block_size,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,7 +118,8 @@ def _paged_attention_kernel(
     d_valid = d < HEAD_DIM
     q = tl.load(
         q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :], other=0.0,
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
     )
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
@@ -120,7 +152,8 @@ def _paged_attention_kernel(
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + d[None, :],
-        acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
     )
 
 
@@ -163,16 +196,32 @@ class TritonAttentionBackend:
         if num_tokens == 0:
             return
         _reshape_and_cache_kernel[(num_tokens,)](
-            key, value, k_cache, v_cache, meta.slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.block_size, num_kv_heads,
-            HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            key,
+            value,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_size,
+            num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
             BLOCK_D=triton.next_power_of_2(head_dim),
         )
 
     def forward(
-        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tiles = meta.extra.get(self.name)
@@ -197,14 +246,31 @@ class TritonAttentionBackend:
             )
         tile_seq, tile_start = tiles
         _paged_attention_kernel[(tile_seq.numel(), num_kv_heads)](
-            out, query, k_cache, v_cache,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, tile_seq, tile_start,
+            out,
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            tile_seq,
+            tile_start,
             scale,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_tables.stride(0),
             meta.block_size,
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=self.block_q, BLOCK_N=self.block_n,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            BLOCK_Q=self.block_q,
+            BLOCK_N=self.block_n,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         )
         return out
@@ -212,12 +278,16 @@ class TritonAttentionBackend:
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, like: torch.Tensor) -> None:
     if like.device.type == "cpu" and not isinstance(_paged_attention_kernel, InterpretedFunction):
-        raise RuntimeError("Triton kernels got CPU tensors: they need CUDA tensors, or TRITON_INTERPRET=1 "
-                           "set before triton is first imported")
+        raise RuntimeError(
+            "Triton kernels got CPU tensors: they need CUDA tensors, or TRITON_INTERPRET=1 "
+            "set before triton is first imported"
+        )
     if k_cache.dtype not in _DTYPES or like.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"dtypes must agree and be one of {_DTYPES}: {like.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
-        raise ValueError(f"k/v caches must share shape and strides with unit head_dim stride: "
-                         f"{k_cache.shape} {k_cache.stride()}, {v_cache.shape} {v_cache.stride()}")
+        raise ValueError(
+            f"k/v caches must share shape and strides with unit head_dim stride: "
+            f"{k_cache.shape} {k_cache.stride()}, {v_cache.shape} {v_cache.stride()}"
+        )
     if k_cache.device != like.device:
         raise ValueError(f"cache on {k_cache.device}, tensors on {like.device}")
