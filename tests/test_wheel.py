@@ -144,7 +144,7 @@ def test_cli_scheduler_and_gateway_run_from_the_wheel_without_torch(venv, wheel)
         py = str(path / "bin" / "python")
         s.scheduler = subprocess.Popen(
             [py, "-m", "scheduler_svc", "--listen", s.public_addr, "--executor", s.executor_addr],
-            env=env,
+            env={**env, "PAGEDSERVE_SECRET_DIR": s.secret_dir},  # the executor's secret (tests/servers.py)
             cwd=cwd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
