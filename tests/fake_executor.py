@@ -31,6 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import hash_block_tokens
+from scheduler_svc.executor_connection import ExecutorInfo
 from scheduler_svc.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
@@ -56,6 +57,29 @@ def word_tokenizer_json(vocab_size: int) -> str:
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok.to_str()
+
+
+def fake_executor_info(vocab_size: int, num_kv_blocks: int = 64, max_model_len: int = 512) -> ExecutorInfo:
+    """The handshake answer of a stand-in executor serving the fake model."""
+    return ExecutorInfo(
+        model_name="fake",
+        architecture="llama",
+        vocab_size=vocab_size,
+        eos_token_ids=(),
+        bos_token_id=None,
+        max_model_len=max_model_len,
+        dtype="float32",
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_bytes=0,
+        instance_id="x",
+        device="cpu",
+        attention_backend="fake",
+        tokenizer_json=word_tokenizer_json(vocab_size),
+        chat_template="",
+        bos_token="",
+        eos_token="",
+        add_bos_token=False,
+    )
 
 
 def reference_next_token(token_ids: list[int], vocab_size: int) -> int:

@@ -11,7 +11,7 @@ import asyncio
 import collections
 
 import grpc
-from fake_executor import FakeExecutor, word_tokenizer_json
+from fake_executor import FakeExecutor, fake_executor_info
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -37,25 +37,7 @@ class FakeClient:
         self.executor = FakeExecutor(
             block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
-        return ExecutorInfo(
-            model_name="fake",
-            architecture="llama",
-            vocab_size=VOCAB,
-            eos_token_ids=(),
-            bos_token_id=None,
-            max_model_len=512,
-            dtype="float32",
-            num_kv_blocks=64,
-            kv_cache_bytes=0,
-            instance_id="x",
-            device="cpu",
-            attention_backend="fake",
-            tokenizer_json=word_tokenizer_json(VOCAB),
-            chat_template="",
-            bos_token="",
-            eos_token="",
-            add_bos_token=False,
-        )
+        return fake_executor_info(VOCAB)
 
     async def send(self, plan):
         ids = {r.request_id for r in plan.new_requests} | set(plan.cached_requests.request_ids)

@@ -16,7 +16,7 @@ import collections
 import time
 
 import pytest
-from fake_executor import FakeExecutor, reference_next_token, word_tokenizer_json
+from fake_executor import FakeExecutor, fake_executor_info, reference_next_token
 
 from scheduler_svc.config import SchedulerServiceConfig
 from scheduler_svc.engine import Engine
@@ -47,25 +47,7 @@ class HangingClient:
             block_size, 64, VOCAB, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
         self.results = collections.deque()
-        return ExecutorInfo(
-            model_name="fake",
-            architecture="llama",
-            vocab_size=VOCAB,
-            eos_token_ids=(),
-            bos_token_id=None,
-            max_model_len=512,
-            dtype="float32",
-            num_kv_blocks=64,
-            kv_cache_bytes=0,
-            instance_id="x",
-            device="cpu",
-            attention_backend="fake",
-            tokenizer_json=word_tokenizer_json(VOCAB),
-            chat_template="",
-            bos_token="",
-            eos_token="",
-            add_bos_token=False,
-        )
+        return fake_executor_info(VOCAB)
 
     async def send(self, plan):
         self.results.append(self.executor.execute(plan))
