@@ -94,12 +94,19 @@ def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, determi
     return built
 
 
-def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype) -> bool:
+def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype, deterministic: bool = False) -> bool:
     """Whether a widened bfloat16 model also sends its larger row counts to
     oneDNN's bf16 GEMM: with --cpu-gemm auto on CPUs with native bf16 (elsewhere
-    oneDNN emulates bf16 and never beats the float32 kernel)."""
+    oneDNN emulates bf16 and never beats the float32 kernel), and never under
+    --deterministic (oneDNN's sums depend on the row count; weight_packing
+    also refuses it there)."""
     return (
-        name == "auto" and packed_gemm and dtype == torch.bfloat16 and cpu_has_fast_bf16() and onednn_linear.available()
+        name == "auto"
+        and packed_gemm
+        and dtype == torch.bfloat16
+        and not deterministic
+        and cpu_has_fast_bf16()
+        and onednn_linear.available()
     )
 
 
@@ -134,7 +141,7 @@ class Worker:
             with_tokenizer=tp is None or tp.is_driver,
             packed_gemm=self.packed_gemm,
             gguf_blocks=config.gguf_blocks == "auto",
-            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype) and not config.deterministic,
+            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic),
             batch_invariant=config.deterministic,
         )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

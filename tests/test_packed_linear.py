@@ -124,6 +124,7 @@ def test_cpu_gemm_setting_resolves(monkeypatch):
         assert worker.use_bf16_onednn("auto", True, torch.bfloat16) is (fast and onednn_linear.available())
         assert not worker.use_bf16_onednn("native", True, torch.bfloat16)
         assert not worker.use_bf16_onednn("auto", True, torch.float32)
+        assert not worker.use_bf16_onednn("auto", True, torch.bfloat16, deterministic=True)
     monkeypatch.setattr(packed_linear, "kernel", lambda: None)
     assert not use_packed_gemm("auto", cpu, torch.float32)
     with pytest.raises(ValueError, match="--cpu-gemm native needs an x86 CPU with AVX-512"):
