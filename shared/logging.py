@@ -15,6 +15,8 @@ import sys
 
 import structlog
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # every service's --log-level choices
+
 
 def configure_logging(level: str = "info", json: bool | None = None, service: str = "") -> None:
     if json is None:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 def validate_metrics_prefix(prefix: str) -> str:
     """`pagedserve` (default) or e.g. `vllm`, so that dashboards built for vLLM's names work unchanged."""
     if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
-        raise ValueError(f"--metrics-prefix {prefix!r}: expected a Prometheus name such as pagedserve or vllm")
+        raise ValueError(f"{prefix!r}: expected a Prometheus name such as pagedserve or vllm")
     return prefix
 
 
