@@ -31,7 +31,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.output_processor import OutputProcessor, RequestHandle
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.scheduler_config import SchedulerConfig
+from scheduler_svc.scheduler_config import SchedulerConfig, SchedulerPolicy
 from scheduler_svc.tokenizer import Tokenizer
 from shared.model_id import model_id
 from shared.step_plan import StepPlan, StepResult
@@ -43,32 +43,17 @@ class EngineUnavailable(RuntimeError):
     """The executor is not connected (or the server is draining)."""
 
 
-def scheduler_config_for(cfg, info: ExecutorInfo) -> SchedulerConfig:
+def scheduler_config_for(policy: SchedulerPolicy, info: ExecutorInfo) -> SchedulerConfig:
     """The scheduler's limits for this executor; raises ValueError if its KV capacity is unusable."""
-    # One sequence must fit alone beside the watermark, or it could never
-    # finish; without chunked prefill its whole recompute must fit a step.
-    usable = info.num_kv_blocks - 1
-    max_len = min(info.max_model_len, (usable - int(cfg.watermark * usable)) * cfg.block_size)
-    if not cfg.enable_chunked_prefill:
-        max_len = min(max_len, cfg.max_num_batched_tokens)
-    if max_len < info.max_model_len:
+    config = SchedulerConfig.for_executor(policy, info.num_kv_blocks, info.max_model_len)
+    if config.max_model_len < info.max_model_len:
         log.warning(
             "max_model_len_capped",
             model_max_len=info.max_model_len,
-            max_model_len=max_len,
-            reason="KV capacity" if cfg.enable_chunked_prefill else "no chunked prefill",
+            max_model_len=config.max_model_len,
+            reason="KV capacity" if policy.enable_chunked_prefill else "no chunked prefill",
         )
-    return SchedulerConfig(
-        block_size=cfg.block_size,
-        num_blocks=info.num_kv_blocks,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=max_len,
-        watermark=cfg.watermark,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
-        hash_algo=cfg.hash_algo,
-    )
+    return config
 
 
 class Engine:
@@ -191,7 +176,7 @@ class Engine:
             self.tokenizer = Tokenizer.from_info(
                 info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token, info.add_bos_token
             )
-            config = scheduler_config_for(cfg, info)
+            config = scheduler_config_for(cfg.scheduler, info)
             self.max_model_len = config.max_model_len
             self.scheduler = Scheduler(config)
             self.metrics.bind(cfg.served_model_name or model_id(info.model_name))
@@ -213,7 +198,7 @@ class Engine:
                 cfg.max_waiting,
             )
             return
-        config = scheduler_config_for(cfg, info)
+        config = scheduler_config_for(cfg.scheduler, info)
         log.warning(
             "executor_capacity_changed",
             old_blocks=previous.num_kv_blocks,

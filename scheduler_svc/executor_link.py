@@ -71,8 +71,8 @@ class ExecutorLink:
 
     async def connect(self, adopt: Adopt) -> ExecutorInfo:
         """Handshakes; raises ExecutorLost if unreachable, ExecutorRefused if refused or unusable."""
-        cfg = self._config
-        info = await self.client.connect(cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        policy = self._config.scheduler
+        info = await self.client.connect(policy.block_size, policy.max_num_batched_tokens, policy.max_num_seqs)
         previous = self.info
         if previous is None:
             self.info = info

@@ -36,19 +36,17 @@ class KVCacheManager:
         block_size: int,
         num_blocks: int,
         enable_caching: bool = True,
-        watermark: float = 0.01,
+        watermark_blocks: int = 0,
         hash_algo: str = "sha256",
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        # Validated where they are declared (scheduler_config.py).
+        assert block_size >= 1 and watermark_blocks >= 0, (block_size, watermark_blocks)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, hash_algo)
         # Admissions must leave this many blocks free, so running requests can
         # keep growing for a while before anyone is preempted.
-        self.watermark_blocks = int(watermark * self.block_pool.num_total_blocks)
+        self.watermark_blocks = watermark_blocks
         self.prefix_cache_queries = 0  # tokens looked up at admissions
         self.prefix_cache_hits = 0  # of those, tokens found cached
         # (block id, hash) registered since the last pop_newly_cached().

@@ -475,7 +475,7 @@ def _kv_cache_manager(config: SchedulerConfig) -> KVCacheManager:
         config.block_size,
         config.num_blocks,
         enable_caching=config.enable_prefix_caching,
-        watermark=config.watermark,
+        watermark_blocks=config.watermark_blocks(config.num_blocks),
         hash_algo=config.hash_algo,
     )
 

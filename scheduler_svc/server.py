@@ -218,7 +218,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             vocab_size=info.vocab_size,
             max_model_len_tokens=self.engine.max_model_len,
             eos_token_ids=list(info.eos_token_ids),
-            block_size_tokens=cfg.block_size,
+            block_size_tokens=cfg.scheduler.block_size,
             dtype=info.dtype,
             has_chat_template=self.engine.tokenizer.has_chat_template,
             max_n=cfg.max_n,

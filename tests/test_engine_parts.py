@@ -13,12 +13,14 @@ import pytest
 from fake_executor import word_tokenizer_json
 from scheduler_factories import make_scheduler
 
+from scheduler_svc.config import SchedulerServiceConfig
 from scheduler_svc.executor_connection import ExecutorInfo, ExecutorLost, ExecutorRefused
 from scheduler_svc.executor_link import ExecutorLink
 from scheduler_svc.intake import GenerationInput, Intake, QueueFull, fan_out
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.output_processor import FinishReason, OutputProcessor, RequestHandle
 from scheduler_svc.request import RequestOutput, RequestStatus
+from scheduler_svc.scheduler_config import SchedulerPolicy
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
 
@@ -172,8 +174,10 @@ class ScriptedClient:
         self.closed += 1
 
 
-CONFIG = SimpleNamespace(
-    block_size=4, max_num_batched_tokens=64, max_num_seqs=8, step_timeout_s=1.0, executor_recovery_timeout_s=0.0
+CONFIG = SchedulerServiceConfig(
+    scheduler=SchedulerPolicy(block_size=4, max_num_batched_tokens=64, max_num_seqs=8),
+    step_timeout_s=1.0,
+    executor_recovery_timeout_s=0.0,
 )
 
 

@@ -12,6 +12,7 @@ from fake_executor import FakeExecutor, audit, run_steps
 from scheduler_factories import VOCAB, expected_outputs, make_request, make_scheduler, scheduled_tokens, step
 
 from scheduler_svc.request import RequestStatus
+from scheduler_svc.scheduler_config import SchedulerConfig, SchedulerPolicy
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepResult
 
@@ -21,13 +22,13 @@ from shared.step_plan import StepResult
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"block_size": 0}, "block_size"),
+        ({"block_size": 0}, "--block-size"),
         ({"num_blocks": 1}, "num_blocks"),
-        ({"max_num_seqs": 0}, "max_num_seqs"),
-        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-        ({"watermark": 1.0}, "watermark"),
+        ({"max_num_seqs": 0}, "--max-num-seqs"),
+        ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"),
+        ({"watermark": 1.0}, "--watermark"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
-        ({"hash_algo": "md5"}, "hash_algo"),
+        ({"hash_algo": "md5"}, "--hash-algo"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64}, "chunked prefill"),
         (
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 128, "long_prefill_token_threshold": 8},
@@ -40,6 +41,19 @@ from shared.step_plan import StepResult
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(**overrides)
+
+
+def test_one_sequence_always_fits_and_the_cap_is_the_check():
+    policy = SchedulerPolicy(block_size=4, watermark=0.05)
+    assert policy.watermark_blocks(101) == 5  # 100 usable blocks
+    assert policy.max_sequence_len(101) == 95 * 4
+    config = SchedulerConfig.for_executor(policy, num_blocks=101, model_max_len=1000)
+    assert config.max_model_len == 380 and config.watermark == 0.05
+    assert SchedulerConfig.for_executor(policy, 101, 100).max_model_len == 100  # the model's own limit
+    unchunked = SchedulerPolicy(block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    assert SchedulerConfig.for_executor(unchunked, 101, 1000).max_model_len == 64
+    with pytest.raises(ValueError, match="KV cache too small"):
+        SchedulerConfig(block_size=4, watermark=0.05, num_blocks=101, max_model_len=381)
 
 
 def test_add_request_validation():
