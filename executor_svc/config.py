@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
-from shared.config_fields import above, add_options, at_least, check_options, config_from, option, rule
+from shared.config_fields import above, at_least, check_options, config_from, option, parser_for, rule
 from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
 from shared.logging import LOG_LEVELS
 from shared.metrics_http import validate_metrics_prefix
@@ -138,12 +138,12 @@ class ExecutorConfig:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = EnvArgumentParser(
+    p = parser_for(
+        ExecutorConfig,
+        environ,
         prog="python -m executor_svc",
         description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.",
-        environ=environ,
     )
-    add_options(p, ExecutorConfig)
     return p
 
 

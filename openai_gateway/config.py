@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
-from shared.config_fields import add_options, at_least, check_options, config_from, option
+from shared.config_fields import at_least, check_options, config_from, option, parser_for
 from shared.logging import LOG_LEVELS
 from shared.net import validate_address
 
@@ -45,13 +45,13 @@ class GatewayConfig:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = EnvArgumentParser(
+    p = parser_for(
+        GatewayConfig,
+        environ,
         prog="python -m openai_gateway",
         description="OpenAI-compatible HTTP API in front of a PagedServe scheduler. The caller's "
         "Authorization header is passed through to the scheduler, which checks it.",
-        environ=environ,
     )
-    add_options(p, GatewayConfig)
     return p
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.scheduler_config import SchedulerPolicy
 from shared.cli_config import EnvArgumentParser
-from shared.config_fields import above, add_options, at_least, check_options, config_from, option
+from shared.config_fields import above, at_least, check_options, config_from, option, parser_for
 from shared.executor_secret import default_secret_dir, installation_secret
 from shared.logging import LOG_LEVELS
 from shared.metrics_http import validate_metrics_prefix
@@ -144,12 +144,12 @@ def read_executor_token(path: str) -> str:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = EnvArgumentParser(
+    p = parser_for(
+        SchedulerServiceConfig,
+        environ,
         prog="python -m scheduler_svc",
         description="PagedServe scheduler: public gRPC API, admission, paged KV block tables, continuous batching.",
-        environ=environ,
     )
-    add_options(p, SchedulerServiceConfig)
     # Where the token fields come from (read in parse_config), not fields themselves.
     p.add_argument(
         "--executor-auth-token-file",

@@ -28,7 +28,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shared.cli_config import EnvArgumentParser
@@ -113,8 +113,9 @@ def _options(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     return out
 
 
-def add_options(parser: EnvArgumentParser, cls: type) -> None:
-    """One flag per option of cls (nested ones included), in declaration order."""
+def parser_for(cls: type, environ: Mapping[str, str], *, prog: str, description: str) -> EnvArgumentParser:
+    """A parser with one flag per option of cls (nested ones included), in declaration order."""
+    parser = EnvArgumentParser(prog=prog, description=description, environ=environ)
     for f, kind in _options(cls):
         opt = f.metadata[_KEY]
         if kind is bool:
@@ -123,6 +124,7 @@ def add_options(parser: EnvArgumentParser, cls: type) -> None:
         typed = {"type": kind} if kind in (int, float) else {}
         default = ",".join(f.default) if kind is tuple else f.default
         parser.add_argument(flag_of(f), dest=f.name, default=default, choices=opt.choices, help=opt.help, **typed)
+    return parser
 
 
 def _value(f: dataclasses.Field, kind: Any, raw: Any) -> Any:

@@ -10,8 +10,7 @@ from executor_svc.config import ExecutorConfig
 from openai_gateway.config import GatewayConfig
 from scheduler_svc.config import SchedulerServiceConfig
 from scheduler_svc.scheduler_config import SchedulerPolicy
-from shared.cli_config import EnvArgumentParser
-from shared.config_fields import above, add_options, at_least, check_options, config_from, option, rule
+from shared.config_fields import above, at_least, check_options, config_from, option, parser_for, rule
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,12 @@ class Toy:
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None, **resolved) -> Toy:
-    p = EnvArgumentParser(prog="toy", environ=environ or {})
-    add_options(p, Toy)
+    p = parser_for(Toy, environ or {}, prog="toy", description="")
     return config_from(Toy, p, p.parse_args(argv), **resolved)
 
 
 def test_a_flag_and_its_env_var_come_from_one_declaration():
-    p = EnvArgumentParser(prog="toy", environ={})
-    add_options(p, Toy)
+    p = parser_for(Toy, {}, prog="toy", description="")
     flags = {flag for action in p._actions for flag in action.option_strings} - {"-h", "--help"}
     assert flags == {
         "--max-num-seqs",
