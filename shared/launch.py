@@ -30,8 +30,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from shared.cli_config import EnvArgumentParser
+from shared.config_fields import check_options, config_from, option, parser_for
 from shared.serve_flags import (
     EXECUTOR,
     GATEWAY,
@@ -50,10 +52,27 @@ def say(text: str) -> None:
     print(f"[pagedserve] {text}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """The launcher's own flags; every other flag belongs to a service (serve_flags.py)."""
+
+    model: str | None = None  # the MODEL argument; None: the embedded model
+    host: str = option("127.0.0.1", help="Address the public ports bind to (0.0.0.0: all interfaces).")
+    port: int = option(50051, help="The gRPC API's port (the scheduler).")
+    openai_port: int = option(8000, help="The OpenAI-compatible HTTP API's port.")
+    openai: bool = option(True, flag="--no-openai", help="Do not start the OpenAI gateway.")
+    executor_metrics_listen: str = option("", help="HOST:PORT for the executor's own /metrics.")
+    startup_timeout_s: float = option(1800.0, help="Seconds to wait for SERVING (downloads count).")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 def parser(environ: Mapping[str, str]) -> EnvArgumentParser:
-    p = EnvArgumentParser(
+    p = parser_for(
+        ServeOptions,
+        environ,
         prog="pagedserve serve",
-        environ=environ,
         description="Start the executor, the scheduler and the OpenAI gateway as one process tree. Every other flag "
         "of `python -m executor_svc`, `python -m scheduler_svc` or `python -m openai_gateway` passes through "
         "to the service(s) that have it.",
@@ -63,14 +82,6 @@ def parser(environ: Mapping[str, str]) -> EnvArgumentParser:
         nargs="?",
         default=None,
         help="A .gguf file, a Hugging Face folder or id (org/name); default: the embedded SmolLM2-135M.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="Address the public ports bind to (0.0.0.0: all interfaces).")
-    p.add_argument("--port", type=int, default=50051, help="The gRPC API's port (the scheduler).")
-    p.add_argument("--openai-port", type=int, default=8000, help="The OpenAI-compatible HTTP API's port.")
-    p.add_argument("--no-openai", action="store_true", default=False, help="Do not start the OpenAI gateway.")
-    p.add_argument("--executor-metrics-listen", default="", help="HOST:PORT for the executor's own /metrics.")
-    p.add_argument(
-        "--startup-timeout", type=float, default=1800.0, help="Seconds to wait for SERVING (downloads count)."
     )
     return p
 
@@ -167,7 +178,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     p = parser(environ)
     parsers = service_parsers(environ)
     mine, extra = split_args(list(sys.argv[1:] if argv is None else argv), p, parsers)
-    a = p.parse_args(mine)
+    args = p.parse_args(mine)
+    opts = config_from(ServeOptions, p, args, model=args.model)
     try:
         routed = routes(extra, parsers)
     except ValueError as e:
@@ -181,8 +193,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     executor_env, scheduler_env = child_envs(environ)
     private = tempfile.mkdtemp(prefix="pagedserve-")  # mode 0700: only this user reaches the socket
     executor = f"unix://{private}/executor.sock"
-    public = _host_port(a.host, a.port)
-    openai = None if a.no_openai else _host_port(a.host, a.openai_port)
+    public = _host_port(opts.host, opts.port)
+    openai = _host_port(opts.host, opts.openai_port) if opts.openai else None
     # The scheduler's (and executor's) metrics reach users through the gateway's /metrics:
     # on loopback ports of their own unless the user chose addresses.
     scheduler_metrics = (
@@ -190,7 +202,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         or scheduler_env.get("PAGEDSERVE_METRICS_LISTEN")
         or (f"127.0.0.1:{_free_port()}" if openai else "")
     )
-    executor_metrics = a.executor_metrics_listen or (f"127.0.0.1:{_free_port()}" if openai else "")
+    executor_metrics = opts.executor_metrics_listen or (f"127.0.0.1:{_free_port()}" if openai else "")
     tree = Tree()
     stopping: list[int] = []
 
@@ -200,11 +212,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        say(f"loading {a.model or 'the embedded SmolLM2-135M-Instruct'} in the executor ({executor})")
+        say(f"loading {opts.model or 'the embedded SmolLM2-135M-Instruct'} in the executor ({executor})")
         tree.start(
             EXECUTOR,
             [
-                *(["--model", a.model] if a.model else []),
+                *(["--model", opts.model] if opts.model else []),
                 "--listen",
                 executor,
                 *(["--metrics-listen", executor_metrics] if executor_metrics else []),
@@ -224,7 +236,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                 environ,
             )
         code = _wait_until_serving(
-            tree, _local(public), openai and "http://" + _local(openai), a.startup_timeout, stopping
+            tree, _local(public), openai and "http://" + _local(openai), opts.startup_timeout_s, stopping
         )
         if code is None:
             _banner(public, openai and "http://" + _local(openai), routed, scheduler_env)
