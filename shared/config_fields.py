@@ -29,11 +29,12 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.cli_config import EnvArgumentParser
 
 _KEY = "pagedserve_option"
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,9 @@ def _options(cls: type) -> list[tuple[dataclasses.Field, Any]]:
         if dataclasses.is_dataclass(hints[f.name]):
             out += _options(hints[f.name])
         elif _KEY in f.metadata:
-            out.append((f, _base(hints[f.name])))
+            kind = _base(hints[f.name])
+            assert kind in (bool, int, float, str, tuple), f"{cls.__name__}.{f.name}: an option's type is {kind}"
+            out.append((f, kind))
     return out
 
 
@@ -147,7 +150,7 @@ def _values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def config_from(cls: type, parser: argparse.ArgumentParser, args: argparse.Namespace, **resolved: Any) -> Any:
+def config_from(cls: type[T], parser: argparse.ArgumentParser, args: argparse.Namespace, **resolved: Any) -> T:
     """cls from parsed flags (plus fields main resolved itself, such as secrets);
     a broken rule exits 2 with argparse's usage and one error line."""
     try:
