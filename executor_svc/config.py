@@ -138,13 +138,12 @@ class ExecutorConfig:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = parser_for(
+    return parser_for(
         ExecutorConfig,
         environ,
         prog="python -m executor_svc",
         description="PagedServe executor: model weights, paged KV cache, forward pass and sampling.",
     )
-    return p
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ExecutorConfig:

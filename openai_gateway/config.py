@@ -45,14 +45,13 @@ class GatewayConfig:
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
     """Every flag of this service (`pagedserve serve` routes flags by these parsers)."""
-    p = parser_for(
+    return parser_for(
         GatewayConfig,
         environ,
         prog="python -m openai_gateway",
         description="OpenAI-compatible HTTP API in front of a PagedServe scheduler. The caller's "
         "Authorization header is passed through to the scheduler, which checks it.",
     )
-    return p
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
