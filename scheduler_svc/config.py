@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.scheduler_config import SchedulerPolicy
 from shared.cli_config import EnvArgumentParser
 from shared.config_fields import above, at_least, check_options, config_from, option, parser_for
-from shared.executor_secret import default_secret_dir, installation_secret
+from shared.executor_secret import default_secret_dir, installation_secret, read_secret_file
 from shared.logging import LOG_LEVELS
 from shared.metrics_http import validate_metrics_prefix
 from shared.net import validate_address
@@ -136,10 +136,12 @@ def read_auth_tokens(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def read_executor_token(path: str) -> str:
-    lines = _read_lines(path, "--executor-auth-token-file")
-    if len(lines) > 1 or len(lines[0][1].split()) != 1:
-        raise TokenFileError(f"--executor-auth-token-file {path}: expected exactly one token on one line")
-    return lines[0][1]
+    """The executor's secret, read exactly as the executor reads its --auth-token-file."""
+    _read_lines(path, "--executor-auth-token-file")  # unreadable or empty: the scheduler's wording
+    try:
+        return read_secret_file(path)
+    except ValueError as e:
+        raise TokenFileError(f"--executor-auth-token-file {e}") from e
 
 
 def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:

@@ -37,12 +37,20 @@ def default_secret_dir(environ: Mapping[str, str]) -> str:
 
 
 def read_secret_file(path: str) -> str:
-    """An operator's secret file: its first non-blank line. Empty is an error, never "no secret"."""
+    """An operator's secret file: one token on one line; blank and `#` lines are skipped.
+
+    The executor (--auth-token-file) and the scheduler (--executor-auth-token-file)
+    both read the shared file through here, so they cannot disagree on the secret.
+    Empty is an error, never "no secret".
+    """
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                return line.strip()
-    raise ValueError(f"{path} holds no secret (it is empty)")
+        lines = [line.strip() for line in f]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not lines:
+        raise ValueError(f"{path} holds no secret (it is empty)")
+    if len(lines) > 1 or len(lines[0].split()) != 1:
+        raise ValueError(f"{path}: expected exactly one token on one line")
+    return lines[0]
 
 
 def installation_secret(directory: str) -> str:

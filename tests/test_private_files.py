@@ -130,8 +130,20 @@ def test_an_operator_secret_file_that_is_empty_is_an_error_not_no_secret(tmp_pat
     (tmp_path / "blank").write_text("\n  \n")
     with pytest.raises(ValueError, match="blank.*empty"):
         read_secret_file(str(tmp_path / "blank"))
-    (tmp_path / "ok").write_text("\n  s3cret  \nignored\n")
+    (tmp_path / "ok").write_text("\n  s3cret  \n")
     assert read_secret_file(str(tmp_path / "ok")) == "s3cret"
+    (tmp_path / "two").write_text("s3cret\nother\n")
+    with pytest.raises(ValueError, match="exactly one token"):
+        read_secret_file(str(tmp_path / "two"))
+
+
+def test_executor_and_scheduler_read_a_shared_secret_file_alike(tmp_path):
+    """A leading comment once gave the two services different secrets (the executor took it as the token)."""
+    from scheduler_svc.config import read_executor_token
+
+    path = tmp_path / "executor.token"
+    path.write_text("# written by the deploy script\n\n  s3cret\n")
+    assert read_secret_file(str(path)) == read_executor_token(str(path)) == "s3cret"
 
 
 @pytest.mark.parametrize(
