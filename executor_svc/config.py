@@ -163,8 +163,10 @@ def build_parser(environ: Mapping[str, str]) -> EnvArgumentParser:
         help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
         "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
         "chunked, after preemption or executor recovery, at any --num-threads "
-        "(docs/determinism.md). Linear layers never use MKL, and prefill attention runs "
-        "the decode kernel's reduction order. CPU only.",
+        "(docs/determinism.md). On CPU linear layers never use MKL, and prefill attention runs "
+        "the decode kernel's reduction order; on CUDA (one GPU, triton attention) the linears, "
+        "LM head, RMSNorm and the sampler's row sums run batch-invariant Triton kernels "
+        "(tested in Triton's interpreter, not yet on GPU hardware).",
     )
     p.add_argument(
         "--omp-wait-policy",

@@ -204,9 +204,11 @@ def test_cpu_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dt
 
 
 @pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
-def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype):
     """One kernel for decodes and prefills, a fixed tile shape and key chunks
-    from position 0: per query row the same arithmetic however it is batched."""
+    from position 0: per query row the same arithmetic however it is batched.
+    (bfloat16 in the interpreter: q, k, v widened to float32, triton_backend.py.)"""
     pytest.importorskip("triton")
     from executor_svc.attention.triton_backend import TritonAttentionBackend
 
@@ -214,9 +216,69 @@ def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk
         pytest.skip("the interpreter case; on a GPU the attention tests run the kernels themselves")
     backend = TritonAttentionBackend(block_q=4, block_n=16)
     seq_len = 21
-    decoded = attend_in_chunks(backend, [1] * seq_len, torch.float32, seq_len, head_dim=16)
+    decoded = attend_in_chunks(backend, [1] * seq_len, dtype, seq_len, head_dim=16)
     for chunks, others in (([seq_len], 0), ([6, 15], 1)):
-        assert torch.equal(attend_in_chunks(backend, chunks, torch.float32, seq_len, 16, others), decoded), chunks
+        assert torch.equal(attend_in_chunks(backend, chunks, dtype, seq_len, 16, others), decoded), chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> str:
+    """The default tiny Qwen2 (hidden 64, head_dim 16, qkv bias), float32 safetensors."""
+    from tests.model_utils import save_tiny_hf_model
+
+    folder = str(tmp_path_factory.mktemp("tiny_hf"))
+    save_tiny_hf_model("qwen2", folder)
+    return folder
+
+
+def make_triton_runner(path: str, dtype: torch.dtype) -> ModelRunner:
+    """The CUDA --deterministic path (worker.py) on CPU tensors in Triton's interpreter:
+    Triton attention, the triton_invariant kernels for linears, head and norms, and
+    the sampler's Triton row sums."""
+    from executor_svc.sampler import RowOps
+
+    backend = get_backend("triton", batch_invariant=True)
+    loaded = load_model(path, dtype, "cpu", backend, with_tokenizer=False, batch_invariant=True)
+    kv = allocate_kv_caches(loaded.config, 64, BLOCK, dtype, torch.device("cpu"))
+    return ModelRunner(
+        loaded.model,
+        kv,
+        BLOCK,
+        loaded.config.vocab_size,
+        torch.device("cpu"),
+        backend,
+        sampler=Sampler(RowOps.triton()),
+    )
+
+
+@pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_path_outputs_are_bit_identical_whatever_the_batch_chunking_or_preemption(tiny_hf, dtype):
+    """The runner-level case above, smaller, through the Triton path in the interpreter."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case; bench/gpu_check.py runs the kernels on a GPU")
+    driver = PlanDriver(make_triton_runner(tiny_hf, dtype), BLOCK)
+    gen = torch.Generator().manual_seed(4)
+    lengths = (5, 17, 30)
+    prompts_ = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
+
+    def triton_jobs(arrive=(0, 0, 0)):
+        return [Job(f"t{i}", p, 5, GREEDY if i % 2 == 0 else SEEDED, arrive=arrive[i]) for i, p in enumerate(prompts_)]
+
+    alone = {}
+    for job in triton_jobs():
+        alone.update(as_numbers(driver.run([job])))
+    assert len({tuple(t) for t, _ in alone.values()}) == len(alone), "distinct prompts should give distinct outputs"
+    scenarios = {
+        "batched, staggered arrivals": dict(jobs=triton_jobs((0, 2, 1))),
+        "token budget 7": dict(jobs=triton_jobs(), token_budget=7),
+        "token budget 19, preempted and recomputed": dict(
+            jobs=triton_jobs((0, 1, 0)), token_budget=19, preempt={"t0": 2, "t2": 3}
+        ),
+    }
+    for name, kw in scenarios.items():
+        assert as_numbers(driver.run(**kw)) == alone, name
 
 
 def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
@@ -251,10 +313,15 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
-    from executor_svc.worker import use_packed_gemm
+    from executor_svc.worker import check_deterministic_cuda, use_packed_gemm
 
-    with pytest.raises(ValueError, match="CPU only"):
-        use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    # CUDA: no packed GEMM (the Triton kernels take its place), one GPU, triton attention.
+    assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    check_deterministic_cuda("triton", 1)
+    with pytest.raises(ValueError, match="triton attention"):
+        check_deterministic_cuda("cpu", 1)
+    with pytest.raises(ValueError, match="NCCL"):
+        check_deterministic_cuda("triton", 2)
     if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
         assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
 
