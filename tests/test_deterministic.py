@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from executor_svc import packed_linear  # noqa: E402
 from executor_svc.attention import get_backend  # noqa: E402
-from executor_svc.attention.reference import make_batch  # noqa: E402
+from executor_svc.attention.reference import attend_in_steps  # noqa: E402
 from executor_svc.config import parse_config  # noqa: E402
 from executor_svc.kv_cache import allocate_kv_caches  # noqa: E402
 from executor_svc.model_loader import load_model  # noqa: E402
@@ -149,57 +149,15 @@ def test_a_batch_invariant_linear_row_is_the_same_at_every_row_count_and_thread_
     assert packed_linear.route(700, dataclasses.replace(packed, batch_invariant=False)) == "torch"
 
 
-def attend_in_chunks(
-    backend, chunks: list[int], dtype: torch.dtype, seq_len: int, head_dim: int = 64, others: int = 0
-) -> torch.Tensor:
-    """Every token of one request computed in steps of the given sizes (1 = a decode), each
-    step beside `others` (<= 3) decodes of other requests; returns its tokens' outputs. The
-    data are the same whatever `others`: the batch always holds the 3 others."""
-    base = make_batch(
-        [(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)],
-        block_size=BLOCK,
-        num_kv_heads=2,
-        group=3,
-        head_dim=head_dim,
-        dtype=dtype,
-        seed=3,
-    )
-    ctx = base.meta.seq_lens_cpu[1 : 1 + others]
-    k_cache, v_cache = base.k_cache.clone(), base.v_cache.clone()
-    outs, start = [], 0
-    for n in chunks:
-        n = min(n, seq_len - start)
-        rows = list(range(start, start + n)) + list(range(seq_len, seq_len + others))
-        meta = dataclasses.replace(
-            base.meta,
-            num_tokens=len(rows),
-            slot_mapping=base.meta.slot_mapping[rows],
-            query_start_loc=torch.tensor([0, n] + [n + i + 1 for i in range(others)], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32),
-            max_query_len=n,
-            max_seq_len=max([start + n] + ctx),
-            query_lens_cpu=[n] + [1] * others,
-            seq_lens_cpu=[start + n] + ctx,
-            extra={},
-        )
-        backend.prepare(meta)
-        backend.write_kv(base.new_key[rows], base.new_value[rows], k_cache, v_cache, meta)
-        outs.append(backend.forward(base.query[rows], k_cache, v_cache, meta, base.scale)[:n])
-        start += n
-        if start == seq_len:
-            return torch.cat(outs)
-    raise AssertionError("chunks do not cover the request")
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-path", "portable-path"])
 def test_cpu_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype, head_dim):
     backend = get_backend("cpu", batch_invariant=True)
     seq_len = 45
-    decoded = attend_in_chunks(backend, [1] * seq_len, dtype, seq_len, head_dim)
+    decoded = attend_in_steps(backend, [1] * seq_len, dtype, seq_len, head_dim)
     for chunks, others in (([seq_len], 0), ([5] * 9, 0), ([16] * 3, 3), ([1, 30, 14], 2)):
-        out = attend_in_chunks(backend, chunks, dtype, seq_len, head_dim, others)
+        out = attend_in_steps(backend, chunks, dtype, seq_len, head_dim, others)
         assert torch.equal(out, decoded), (chunks, others)
 
 
@@ -216,9 +174,9 @@ def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk
         pytest.skip("the interpreter case; on a GPU the attention tests run the kernels themselves")
     backend = TritonAttentionBackend(block_q=4, block_n=16)
     seq_len = 21
-    decoded = attend_in_chunks(backend, [1] * seq_len, dtype, seq_len, head_dim=16)
+    decoded = attend_in_steps(backend, [1] * seq_len, dtype, seq_len, head_dim=16)
     for chunks, others in (([seq_len], 0), ([6, 15], 1)):
-        assert torch.equal(attend_in_chunks(backend, chunks, dtype, seq_len, 16, others), decoded), chunks
+        assert torch.equal(attend_in_steps(backend, chunks, dtype, seq_len, 16, others), decoded), chunks
 
 
 @pytest.fixture(scope="module")
