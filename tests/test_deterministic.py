@@ -271,7 +271,8 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
-    from executor_svc.worker import check_deterministic_cuda, use_packed_gemm
+    from executor_svc.sampler import RowOps
+    from executor_svc.worker import check_deterministic_cuda, sampler_for, use_packed_gemm
 
     # CUDA: no packed GEMM (the Triton kernels take its place), one GPU, triton attention.
     assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
@@ -280,6 +281,11 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
         check_deterministic_cuda("cpu", 1)
     with pytest.raises(ValueError, match="NCCL"):
         check_deterministic_cuda("triton", 2)
+    # The sampler's row sums: torch's on CPU (per row there) and without the flag; Triton's on CUDA with it.
+    assert sampler_for(torch.device("cpu"), True).ops == RowOps()
+    assert sampler_for(torch.device("cuda"), False).ops == RowOps()
+    if not _TRITON_IMPORTED_TOO_EARLY:
+        assert sampler_for(torch.device("cuda"), True).ops == RowOps.triton() != RowOps()
     if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
         assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
 

@@ -108,8 +108,3 @@ def add_rms_norm(
         num_warps=4 if block_d <= 1024 else 8,
     )
     return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """model.rms_norm's contract, batch-invariant."""
-    return add_rms_norm(x, None, weight, eps)
