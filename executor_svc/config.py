@@ -79,8 +79,10 @@ class ExecutorConfig:
         help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
         "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
         "chunked, after preemption or executor recovery, at any --num-threads "
-        "(docs/determinism.md). Linear layers never use MKL, and prefill attention runs "
-        "the decode kernel's reduction order. CPU only.",
+        "(docs/determinism.md). On CPU linear layers never use MKL, and prefill attention runs "
+        "the decode kernel's reduction order; on CUDA (one GPU, triton attention) the linears, "
+        "LM head, RMSNorm and the sampler's row sums run batch-invariant Triton kernels "
+        "(tested in Triton's interpreter, not yet on GPU hardware).",
     )
     # Applied before torch loads: executor_svc/__main__.py.
     omp_wait_policy: str = option(

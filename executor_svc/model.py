@@ -28,6 +28,9 @@ computes in float32 over its bfloat16 weights instead.)
 This file is the architecture only. The native CPU GEMM's packed copies of
 the weights are made after loading, by weight_packing.py, into the slots the
 model keeps for them (`DecoderLayer.packed`, `_head_packed`, `_tied_head`).
+The linear layers and the norms run through `Kernels` (packed_linear.linear
+and add_rms_norm below by default), which --deterministic on CUDA replaces
+with batch-invariant Triton kernels (triton_invariant/hook.py).
 
 Weights are loaded by `load_weights` from tensors under transformers' names
 ("model.layers.3.self_attn.q_proj.weight", ...); the GGUF loader renames to
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -119,6 +123,16 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return fused_ops.add_rms_norm(h, delta, weight, eps)  # one pass over h and delta
     h += delta
     return rms_norm(h, weight, eps)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The two ops of a forward whose sums run across a row: the linear layers
+    and the LM head (packed_linear.linear's signature), and RMSNorm with its
+    residual add (add_rms_norm's). Attention is the backend's."""
+
+    linear: Callable = linear
+    add_rms_norm: Callable = add_rms_norm
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -225,6 +239,7 @@ class DecoderLayer(nn.Module):
         # Packed copies for the native CPU GEMM, by weight name ("qkv", "o",
         # "gate_up", "down"); empty unless weight_packing.py filled them.
         self.packed: dict[str, PackedWeight] = {}
+        self.kernels = Kernels()  # set for the whole model by LlamaForCausalLM.use_kernels
 
     def part_rows(self, name: str) -> list[int]:
         """This rank's rows of each of LINEAR_PARTS[name]'s tensors, in order."""
@@ -245,8 +260,9 @@ class DecoderLayer(nn.Module):
         pair for the next layer; h is updated in place."""
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
-        x = add_rms_norm(h, delta, self.input_norm, self.eps)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
+        ops = self.kernels
+        x = ops.add_rms_norm(h, delta, self.input_norm, self.eps)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         qkv = qkv.view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
         # q and k rotate together: one set of rope kernels for both.
         qk = apply_rope(qkv[:, :qk_heads], cos, sin_signed)
@@ -254,11 +270,11 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         self.attn_backend.write_kv(k, v, k_cache, v_cache, meta)
         attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
-        attn_out = self._reduce(linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
+        attn_out = self._reduce(ops.linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
-        x = add_rms_norm(h, attn_out, self.post_norm, self.eps)
-        gate_up = linear(x, self.gate_up_weight, None, self.packed.get("gate_up"))
-        return h, self._reduce(linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
+        x = ops.add_rms_norm(h, attn_out, self.post_norm, self.eps)
+        gate_up = ops.linear(x, self.gate_up_weight, None, self.packed.get("gate_up"))
+        return h, self._reduce(ops.linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""
@@ -303,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self._head_packed: PackedWeight | None = None  # filled by weight_packing.py
         # The activations' dtype: the weights' own, except after weight_packing.widen_bf16().
         self.compute_dtype = dtype
+        self.kernels = Kernels()
         cos, sin_signed = rope_cache(config, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", sin_signed, persistent=False)
@@ -324,12 +341,19 @@ class LlamaForCausalLM(nn.Module):
         h, delta = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cos, sin_signed, kv_cache, meta)
-        return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)
+        return self.kernels.add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] float32."""
         head = self.lm_head if self.lm_head is not None else self._tied_head
-        return linear(hidden, self.embed_tokens if head is None else head, None, self._head_packed).float()
+        weight = self.embed_tokens if head is None else head
+        return self.kernels.linear(hidden, weight, None, self._head_packed).float()
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Runs every layer's linears and norms, the final norm and the head through `kernels`."""
+        self.kernels = kernels
+        for layer in self.layers:
+            layer.kernels = kernels
 
     @torch.no_grad()
     def load_weights(self, tensor: Callable[[str], torch.Tensor]) -> None:

@@ -103,9 +103,11 @@ def load_model(
     the file's blocks for small batches too with `gguf_blocks`, and with
     `bf16_onednn` (CPUs with native bf16) also hands the larger row counts to
     oneDNN's bf16 GEMM from a row count calibrated here. `batch_invariant`
-    (--deterministic): every linear layer through the kernel, whatever the
-    row count. The caller checks that the kernel is available and the model
-    is on CPU."""
+    (--deterministic): with `packed_gemm` (CPU), every linear layer through
+    the kernel whatever the row count (the caller checks that the kernel is
+    available); without it (CUDA, or CPU tensors in Triton's interpreter),
+    the batch-invariant Triton kernels for the linears, the head and the
+    norms (triton_invariant/hook.py)."""
     checkpoint, load_tokenizer = open_checkpoint(path)
     model = LlamaForCausalLM(
         checkpoint.config, attn_backend, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size
@@ -118,5 +120,9 @@ def load_model(
             onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None,
             batch_invariant=batch_invariant,
         )
+    elif batch_invariant:
+        from executor_svc.triton_invariant import hook  # imports triton: only where it runs
+
+        hook.apply(model)
     model.eval()
     return LoadedModel(model=model, config=checkpoint.config, tokenizer=load_tokenizer() if with_tokenizer else None)

@@ -74,6 +74,7 @@ class ModelRunner:
         device: torch.device,
         attn_backend: AttentionBackend,
         tp: TPGroup | None = None,
+        sampler: Sampler | None = None,
     ):
         self.model = model
         self.tp = tp
@@ -83,7 +84,7 @@ class ModelRunner:
         self.device = device
         self.attn_backend = attn_backend
         self.num_blocks = kv_caches[0][0].shape[0]
-        self.sampler = Sampler()
+        self.sampler = sampler or Sampler()
         self.requests: dict[str, RequestState] = {}
         self._last_failed_step_id = 0
 

@@ -21,12 +21,23 @@ E_v = -log(u_v) where u_v is a counter-based hash of (seed, output position, v),
 so the draw depends on nothing else: not on batch order or size, not on the
 previous draws, and a request recomputed after preemption redraws the same
 tokens. Unseeded rows draw E from torch's global generator.
+
+Batch invariance (--deterministic, docs/determinism.md): every step is per
+row, and the only sums over a row are log_softmax, logsumexp and cumsum
+(`RowOps`); max, topk/sort values, argmax (first index among ties) and the
+threshold comparisons are exact whatever order they run in. torch's row sums
+are per row on CPU; on CUDA they are not (logsumexp's reduction and a single
+row's cumsum split differently by the row count), so --deterministic there
+passes `RowOps.triton()`, whose kernels sum each row in one fixed order, and
+reports the top logprobs by a stable sort (equal logprobs by token id)
+instead of topk, whose order among ties depends on its algorithm.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +61,34 @@ _TOP_P_CANDIDATES = 4096
 # Temperatures below this sample greedily (as vLLM): dividing by them could
 # overflow the logits to inf, and the draw would be an argmax anyway.
 _GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _top_by_topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    top = x.topk(n, dim=-1)
+    return top.values, top.indices
+
+
+def _top_by_stable_sort(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest per row, equal values in token-id order: one answer, whatever the algorithm."""
+    values, indices = x.sort(dim=-1, descending=True, stable=True)
+    return values[:, :n], indices[:, :n]
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """The sampler's reductions over each row of a float32 [rows, V] tensor."""
+
+    log_softmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.log_softmax(dim=-1)
+    logsumexp: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
+    cumsum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.cumsum(dim=-1)
+    top: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _top_by_topk  # (values, ids) [rows, n]
+
+    @staticmethod
+    def triton() -> RowOps:
+        """Batch-invariant on CUDA (triton_invariant/rows.py); imports triton."""
+        from executor_svc.triton_invariant import rows
+
+        return RowOps(rows.log_softmax, rows.logsumexp, rows.cumsum, _top_by_stable_sort)
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +326,7 @@ def apply_min_tokens_and_penalties(logits: torch.Tensor, md: SamplingMetadata) -
     return logits
 
 
-def _nucleus_threshold(sorted_desc: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor):
+def _nucleus_threshold(sorted_desc: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, ops: RowOps):
     """Smallest logit of each row's nucleus, given its leading sorted logits.
 
     Rank i (0 = most likely) belongs to the nucleus iff the mass of ranks < i is
@@ -295,12 +334,12 @@ def _nucleus_threshold(sorted_desc: torch.Tensor, lse: torch.Tensor, top_p: torc
     Returns (threshold [R, 1], mass of the given ranks [R]).
     """
     probs = (sorted_desc - lse).exp()
-    cumulative = probs.cumsum(dim=-1)
+    cumulative = ops.cumsum(probs)
     n_keep = ((cumulative - probs) < top_p[:, None]).sum(dim=-1, keepdim=True)
     return sorted_desc.gather(1, n_keep - 1), cumulative[:, -1]
 
 
-def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, ops: RowOps) -> torch.Tensor:
     """[R, 1] nucleus threshold per row (-inf where top_p = 1), of the already top-k'd logits.
 
     Usually the nucleus lies within the row's _TOP_P_CANDIDATES best tokens and
@@ -308,14 +347,14 @@ def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     path a row takes depends only on that row, so its result does too.
     """
     vocab_size = logits.shape[1]
-    lse = logits.logsumexp(dim=-1, keepdim=True)
+    lse = ops.logsumexp(logits)
     candidates = logits.topk(min(vocab_size, _TOP_P_CANDIDATES), dim=-1).values
-    threshold, mass = _nucleus_threshold(candidates, lse, top_p)
+    threshold, mass = _nucleus_threshold(candidates, lse, top_p, ops)
     if candidates.shape[1] < vocab_size:
         short = ((mass < top_p) & (top_p < 1.0)).nonzero().squeeze(1)  # host sync
         if short.numel():
             full = logits[short].sort(dim=-1, descending=True).values
-            threshold[short] = _nucleus_threshold(full, lse[short], top_p[short])[0]
+            threshold[short] = _nucleus_threshold(full, lse[short], top_p[short], ops)[0]
     # top_p = 1 keeps everything even where rounding pushes the cumsum past 1.
     return threshold.masked_fill((top_p >= 1.0)[:, None], -math.inf)
 
@@ -332,10 +371,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from a cache of the vocabulary hash keys per (V, device)."""
+    """Stateless apart from a cache of the vocabulary hash keys per (V, device).
+    `ops`: the row reductions (torch's by default; RowOps.triton() for
+    --deterministic on CUDA)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: RowOps | None = None) -> None:
         self._vocab_keys: dict[tuple[int, str], torch.Tensor] = {}
+        self.ops = ops or RowOps()
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.shape != (md.num_rows, md.vocab_size):
@@ -345,7 +387,7 @@ class Sampler:
         if md.needs_only_argmax:
             return SamplerOutput(argmax(logits), [None] * md.num_rows)
         logits = logits.float()  # never modified in place: the caller's tensor stays intact
-        logprobs = None if md.logprob_rows is None else logits[md.logprob_rows].log_softmax(dim=-1)
+        logprobs = None if md.logprob_rows is None else self.ops.log_softmax(logits[md.logprob_rows])
         logits = apply_min_tokens_and_penalties(logits, md)
         if md.all_greedy:
             tokens = argmax(logits)
@@ -354,7 +396,7 @@ class Sampler:
         else:
             tokens = argmax(logits)
             tokens[md.random_rows] = self._sample_random(logits[md.random_rows], md)
-        return SamplerOutput(tokens, self._logprobs_result(logprobs, tokens, md))
+        return SamplerOutput(tokens, self._logprobs_result(logprobs, tokens, md, self.ops))
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [R, V], the random rows only. Truncations mask tokens to -inf."""
@@ -369,7 +411,7 @@ class Sampler:
         # row's largest, and neither that ratio nor the largest changes under top-p.
         threshold = None
         if md.top_p is not None:
-            threshold = _top_p_threshold(logits, md.top_p)
+            threshold = _top_p_threshold(logits, md.top_p, self.ops)
         if md.min_p is not None:
             # p_v >= min_p * p_max  <=>  logit_v >= logit_max + log(min_p); min_p = 0 keeps all.
             min_p_threshold = logits.max(dim=-1, keepdim=True).values + md.min_p.log()[:, None]
@@ -401,7 +443,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs_result(
-        logprobs: torch.Tensor | None, tokens: torch.Tensor, md: SamplingMetadata
+        logprobs: torch.Tensor | None, tokens: torch.Tensor, md: SamplingMetadata, ops: RowOps
     ) -> list[TokenLogprobs | None]:
         """Python results from the raw log_softmax [L, V] of the rows asking."""
         result: list[TokenLogprobs | None] = [None] * md.num_rows
@@ -410,8 +452,8 @@ class Sampler:
         sampled = logprobs.gather(1, tokens[md.logprob_rows][:, None]).squeeze(1).tolist()
         top_values = top_ids = None
         if md.max_num_logprobs > 0:
-            top = logprobs.topk(md.max_num_logprobs, dim=-1)
-            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+            values, ids = ops.top(logprobs, md.max_num_logprobs)
+            top_values, top_ids = values.tolist(), ids.tolist()
         for j, row in enumerate(md.logprob_rows.tolist()):
             n = md.num_logprobs[row]
             pairs = list(zip(top_ids[j][:n], top_values[j][:n])) if n else []

@@ -27,6 +27,7 @@ from executor_svc.memory_profile import cuda_kv_budget
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import load_model
 from executor_svc.model_runner import ModelRunner
+from executor_svc.sampler import RowOps, Sampler
 from executor_svc.tokenizer_info import TokenizerInfo
 
 if TYPE_CHECKING:
@@ -77,12 +78,8 @@ def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, determi
     for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
     weight_packing.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own).
     --deterministic needs it for either dtype on every CPU: its sums are the
-    batch-invariant ones (docs/determinism.md)."""
-    if deterministic and device.type != "cpu":
-        raise ValueError(
-            "--deterministic runs on CPU only: on CUDA the linear layers are cuBLAS GEMMs, whose "
-            "reduction order depends on the batch size (docs/determinism.md)"
-        )
+    batch-invariant ones (docs/determinism.md); on CUDA the Triton kernels
+    take its place (check_deterministic_cuda)."""
     if name == "torch" or device.type != "cpu":
         return False
     # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
@@ -110,6 +107,26 @@ def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype, determinis
     )
 
 
+def check_deterministic_cuda(attention_backend: str, tp_size: int) -> None:
+    """Raises ValueError where --deterministic on CUDA cannot keep its promise:
+    its linears, head and norms are the Triton kernels of triton_invariant/
+    and its attention must be the Triton backend (whose per-row arithmetic
+    does not depend on the batch); NCCL's all-reduce picks its algorithm by
+    message size, i.e. by the step's token count, so no tensor parallelism."""
+    if attention_backend != "triton":
+        raise ValueError(f"--deterministic on CUDA needs the triton attention backend, not {attention_backend!r}")
+    if tp_size > 1:
+        raise ValueError(
+            "--deterministic on CUDA runs on one GPU: NCCL's all-reduce picks its algorithm by message size, "
+            "so a token's sums across ranks would depend on the batch (docs/determinism.md)"
+        )
+
+
+def sampler_for(device: torch.device, deterministic: bool) -> Sampler:
+    """torch's row reductions are per row on CPU; on CUDA --deterministic needs the Triton ones (sampler.py)."""
+    return Sampler(RowOps.triton() if deterministic and device.type != "cpu" else None)
+
+
 class Worker:
     def __init__(self, config: ExecutorConfig, tp: TPGroup | None = None):
         self.config = config
@@ -125,6 +142,8 @@ class Worker:
             backend = "triton" if self.device.type == "cuda" else "cpu"
         if backend == "triton" and self.kv_dtype != self.dtype:
             raise ValueError("--kv-cache-dtype different from --dtype is supported by the cpu and torch backends only")
+        if config.deterministic and self.device.type == "cuda":
+            check_deterministic_cuda(backend, self.tp_size)
         self.attn_backend = get_backend(backend, config.deterministic)
         if self.device.type == "cpu" and (config.num_threads or tp is not None):
             # Ranks on one host share its cores: by default each takes an equal
@@ -196,7 +215,14 @@ class Worker:
         num_blocks = num_blocks_for_budget(budget, cfg, block_size, self.kv_dtype, tp_size)
         kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, self.kv_dtype, self.device, tp_size)
         self.runner = ModelRunner(
-            self.model, kv_caches, block_size, cfg.vocab_size, self.device, self.attn_backend, self.tp
+            self.model,
+            kv_caches,
+            block_size,
+            cfg.vocab_size,
+            self.device,
+            self.attn_backend,
+            self.tp,
+            sampler_for(self.device, self.config.deterministic),
         )
         self._sized_for = sized_for
         self._info = HandshakeInfo(

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from executor_svc import packed_linear  # noqa: E402
 from executor_svc.attention import get_backend  # noqa: E402
-from executor_svc.attention.reference import make_batch  # noqa: E402
+from executor_svc.attention.reference import attend_in_steps  # noqa: E402
 from executor_svc.config import parse_config  # noqa: E402
 from executor_svc.kv_cache import allocate_kv_caches  # noqa: E402
 from executor_svc.model_loader import load_model  # noqa: E402
@@ -149,64 +149,24 @@ def test_a_batch_invariant_linear_row_is_the_same_at_every_row_count_and_thread_
     assert packed_linear.route(700, dataclasses.replace(packed, batch_invariant=False)) == "torch"
 
 
-def attend_in_chunks(
-    backend, chunks: list[int], dtype: torch.dtype, seq_len: int, head_dim: int = 64, others: int = 0
-) -> torch.Tensor:
-    """Every token of one request computed in steps of the given sizes (1 = a decode), each
-    step beside `others` (<= 3) decodes of other requests; returns its tokens' outputs. The
-    data are the same whatever `others`: the batch always holds the 3 others."""
-    base = make_batch(
-        [(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)],
-        block_size=BLOCK,
-        num_kv_heads=2,
-        group=3,
-        head_dim=head_dim,
-        dtype=dtype,
-        seed=3,
-    )
-    ctx = base.meta.seq_lens_cpu[1 : 1 + others]
-    k_cache, v_cache = base.k_cache.clone(), base.v_cache.clone()
-    outs, start = [], 0
-    for n in chunks:
-        n = min(n, seq_len - start)
-        rows = list(range(start, start + n)) + list(range(seq_len, seq_len + others))
-        meta = dataclasses.replace(
-            base.meta,
-            num_tokens=len(rows),
-            slot_mapping=base.meta.slot_mapping[rows],
-            query_start_loc=torch.tensor([0, n] + [n + i + 1 for i in range(others)], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32),
-            max_query_len=n,
-            max_seq_len=max([start + n] + ctx),
-            query_lens_cpu=[n] + [1] * others,
-            seq_lens_cpu=[start + n] + ctx,
-            extra={},
-        )
-        backend.prepare(meta)
-        backend.write_kv(base.new_key[rows], base.new_value[rows], k_cache, v_cache, meta)
-        outs.append(backend.forward(base.query[rows], k_cache, v_cache, meta, base.scale)[:n])
-        start += n
-        if start == seq_len:
-            return torch.cat(outs)
-    raise AssertionError("chunks do not cover the request")
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-path", "portable-path"])
 def test_cpu_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype, head_dim):
     backend = get_backend("cpu", batch_invariant=True)
     seq_len = 45
-    decoded = attend_in_chunks(backend, [1] * seq_len, dtype, seq_len, head_dim)
+    decoded = attend_in_steps(backend, [1] * seq_len, dtype, seq_len, head_dim)
     for chunks, others in (([seq_len], 0), ([5] * 9, 0), ([16] * 3, 3), ([1, 30, 14], 2)):
-        out = attend_in_chunks(backend, chunks, dtype, seq_len, head_dim, others)
+        out = attend_in_steps(backend, chunks, dtype, seq_len, head_dim, others)
         assert torch.equal(out, decoded), (chunks, others)
 
 
 @pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
-def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype):
     """One kernel for decodes and prefills, a fixed tile shape and key chunks
-    from position 0: per query row the same arithmetic however it is batched."""
+    from position 0: per query row the same arithmetic however it is batched.
+    (bfloat16 in the interpreter: q, k, v widened to float32, triton_backend.py.)"""
     pytest.importorskip("triton")
     from executor_svc.attention.triton_backend import TritonAttentionBackend
 
@@ -214,9 +174,69 @@ def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk
         pytest.skip("the interpreter case; on a GPU the attention tests run the kernels themselves")
     backend = TritonAttentionBackend(block_q=4, block_n=16)
     seq_len = 21
-    decoded = attend_in_chunks(backend, [1] * seq_len, torch.float32, seq_len, head_dim=16)
+    decoded = attend_in_steps(backend, [1] * seq_len, dtype, seq_len, head_dim=16)
     for chunks, others in (([seq_len], 0), ([6, 15], 1)):
-        assert torch.equal(attend_in_chunks(backend, chunks, torch.float32, seq_len, 16, others), decoded), chunks
+        assert torch.equal(attend_in_steps(backend, chunks, dtype, seq_len, 16, others), decoded), chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> str:
+    """The default tiny Qwen2 (hidden 64, head_dim 16, qkv bias), float32 safetensors."""
+    from tests.model_utils import save_tiny_hf_model
+
+    folder = str(tmp_path_factory.mktemp("tiny_hf"))
+    save_tiny_hf_model("qwen2", folder)
+    return folder
+
+
+def make_triton_runner(path: str, dtype: torch.dtype) -> ModelRunner:
+    """The CUDA --deterministic path (worker.py) on CPU tensors in Triton's interpreter:
+    Triton attention, the triton_invariant kernels for linears, head and norms, and
+    the sampler's Triton row sums."""
+    from executor_svc.sampler import RowOps
+
+    backend = get_backend("triton", batch_invariant=True)
+    loaded = load_model(path, dtype, "cpu", backend, with_tokenizer=False, batch_invariant=True)
+    kv = allocate_kv_caches(loaded.config, 64, BLOCK, dtype, torch.device("cpu"))
+    return ModelRunner(
+        loaded.model,
+        kv,
+        BLOCK,
+        loaded.config.vocab_size,
+        torch.device("cpu"),
+        backend,
+        sampler=Sampler(RowOps.triton()),
+    )
+
+
+@pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_path_outputs_are_bit_identical_whatever_the_batch_chunking_or_preemption(tiny_hf, dtype):
+    """The runner-level case above, smaller, through the Triton path in the interpreter."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case; bench/gpu_check.py runs the kernels on a GPU")
+    driver = PlanDriver(make_triton_runner(tiny_hf, dtype), BLOCK)
+    gen = torch.Generator().manual_seed(4)
+    lengths = (5, 17, 30)
+    prompts_ = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
+
+    def triton_jobs(arrive=(0, 0, 0)):
+        return [Job(f"t{i}", p, 5, GREEDY if i % 2 == 0 else SEEDED, arrive=arrive[i]) for i, p in enumerate(prompts_)]
+
+    alone = {}
+    for job in triton_jobs():
+        alone.update(as_numbers(driver.run([job])))
+    assert len({tuple(t) for t, _ in alone.values()}) == len(alone), "distinct prompts should give distinct outputs"
+    scenarios = {
+        "batched, staggered arrivals": dict(jobs=triton_jobs((0, 2, 1))),
+        "token budget 7": dict(jobs=triton_jobs(), token_budget=7),
+        "token budget 19, preempted and recomputed": dict(
+            jobs=triton_jobs((0, 1, 0)), token_budget=19, preempt={"t0": 2, "t2": 3}
+        ),
+    }
+    for name, kw in scenarios.items():
+        assert as_numbers(driver.run(**kw)) == alone, name
 
 
 def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
@@ -251,10 +271,21 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
-    from executor_svc.worker import use_packed_gemm
+    from executor_svc.sampler import RowOps
+    from executor_svc.worker import check_deterministic_cuda, sampler_for, use_packed_gemm
 
-    with pytest.raises(ValueError, match="CPU only"):
-        use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    # CUDA: no packed GEMM (the Triton kernels take its place), one GPU, triton attention.
+    assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)
+    check_deterministic_cuda("triton", 1)
+    with pytest.raises(ValueError, match="triton attention"):
+        check_deterministic_cuda("cpu", 1)
+    with pytest.raises(ValueError, match="NCCL"):
+        check_deterministic_cuda("triton", 2)
+    # The sampler's row sums: torch's on CPU (per row there) and without the flag; Triton's on CUDA with it.
+    assert sampler_for(torch.device("cpu"), True).ops == RowOps()
+    assert sampler_for(torch.device("cuda"), False).ops == RowOps()
+    if not _TRITON_IMPORTED_TOO_EARLY:
+        assert sampler_for(torch.device("cuda"), True).ops == RowOps.triton() != RowOps()
     if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
         assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
 

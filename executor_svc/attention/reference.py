@@ -10,10 +10,15 @@ already-cached prefix is stored in the paged cache under a shuffled block
 table, and the new tokens' K/V are handed over separately for `write_kv`.
 Every cache slot no request owns (block 0, the tails of last blocks, spare
 blocks) is filled with `poison` so that reading one shows up in the output.
+
+`attend_in_steps` computes one request's tokens in steps of given sizes
+(decodes, prefill chunks) beside other requests' decodes: --deterministic
+asks for the same bits whatever the steps (tests, bench/gpu_check.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -151,3 +156,56 @@ def make_batch(
         values=values,
         scale=head_dim**-0.5,
     )
+
+
+def attend_in_steps(
+    backend,
+    chunks: list[int],
+    dtype: torch.dtype,
+    seq_len: int,
+    head_dim: int = 64,
+    others: int = 0,
+    block_size: int = 16,
+    device: str = "cpu",
+) -> torch.Tensor:
+    """Every token of one request computed in steps of the given sizes (1 = a decode), each
+    step beside `others` (<= 3) decodes of other requests; returns its tokens' outputs
+    [seq_len, heads, head_dim]. The data are the same whatever `others`: the batch always
+    holds the 3 others."""
+    assert 0 <= others <= 3, others
+    base = make_batch(
+        [(0, seq_len)] + [(37 + 11 * i, 1) for i in range(3)],
+        block_size=block_size,
+        num_kv_heads=2,
+        group=3,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=3,
+    )
+    ctx = base.meta.seq_lens_cpu[1 : 1 + others]
+    k_cache, v_cache = base.k_cache.to(device), base.v_cache.to(device)
+    query, new_key, new_value = base.query.to(device), base.new_key.to(device), base.new_value.to(device)
+    outs, start = [], 0
+    for n in chunks:
+        n = min(n, seq_len - start)
+        rows = list(range(start, start + n)) + list(range(seq_len, seq_len + others))
+        meta = dataclasses.replace(
+            base.meta,
+            num_tokens=len(rows),
+            slot_mapping=base.meta.slot_mapping[rows].to(device),
+            query_start_loc=torch.tensor([0, n] + [n + i + 1 for i in range(others)], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([start + n] + ctx, dtype=torch.int32, device=device),
+            block_tables=base.meta.block_tables.to(device),
+            max_query_len=n,
+            max_seq_len=max([start + n] + ctx),
+            query_lens_cpu=[n] + [1] * others,
+            seq_lens_cpu=[start + n] + ctx,
+            extra={},
+        )
+        backend.prepare(meta)
+        backend.write_kv(new_key[rows], new_value[rows], k_cache, v_cache, meta)
+        outs.append(backend.forward(query[rows], k_cache, v_cache, meta, base.scale)[:n])
+        start += n
+        if start == seq_len:
+            return torch.cat(outs)
+    raise AssertionError("chunks do not cover the request")

@@ -23,6 +23,10 @@ read, whatever they hold.
 
 With TRITON_INTERPRET=1 set before triton is first imported, the same kernels
 run in Triton's interpreter on CPU tensors; that is how the tests run them.
+The interpreter keeps bfloat16 as raw 16-bit integers, which its tl.dot
+would multiply as integers, so there (`WIDEN`) bfloat16 q, k and v are
+widened to float32 as loaded: the same sums in the same order, in the
+interpreter's float32 arithmetic rather than a GPU's bf16 MMA.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +126,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if WIDEN:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -136,6 +143,8 @@ def _paged_attention_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if WIDEN:
+            k, v = k.to(tl.float32), v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
@@ -272,6 +281,7 @@ class TritonAttentionBackend:
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            WIDEN=query.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
         )
         return out
 
