@@ -76,7 +76,7 @@ class ExecutorConfig:
     # Batch-invariant kernels (docs/determinism.md).
     deterministic: bool = option(
         False,
-        help="Batch-invariant CPU kernels: every token's logits, hence greedy and seeded outputs and "
+        help="Batch-invariant kernels: every token's logits, hence greedy and seeded outputs and "
         "logprobs, are bit-identical whatever else is in the batch, however its prefill is "
         "chunked, after preemption or executor recovery, at any --num-threads "
         "(docs/determinism.md). On CPU linear layers never use MKL, and prefill attention runs "
