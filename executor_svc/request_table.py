@@ -85,7 +85,8 @@ class RequestTable:
 
     Invariants between steps: every block id held is in 1..num_blocks-1
     (block 0 is the null block), no request holds a block twice, every token
-    id is in the vocabulary, and 0 < num_prompt_tokens <= len(token_ids).
+    id is in the vocabulary, 0 < num_prompt_tokens <= len(token_ids) and
+    0 <= num_computed_tokens.
     Each is checked where the plan adds it, so a step checks only its deltas.
     """
 
@@ -155,6 +156,8 @@ class RequestTable:
                 raise PlanError(
                     f"new request {rid!r}: num_prompt_tokens {new.num_prompt_tokens} is not in 1..{len(new.token_ids)}"
                 )
+            if new.num_computed_tokens < 0:
+                raise PlanError(f"new request {rid!r}: num_computed_tokens {new.num_computed_tokens} is negative")
             # Checked here, not by the embedding lookup: a clear error, before any state changes on the device.
             if not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
                 bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)

@@ -128,6 +128,10 @@ REFUSED = {
         StepPlan(2, [new("x", [1, 2], [2], prompt=3)]),
         "new request 'x': num_prompt_tokens 3 is not in 1..2",
     ),
+    "negative computed count": (
+        StepPlan(2, [new("x", [1, 2], [2], computed=-1, scheduled=2)]),
+        "new request 'x': num_computed_tokens -1 is negative",
+    ),
     "token past the vocabulary": (
         StepPlan(2, [new("x", [1, VOCAB], [2])]),
         f"new request 'x': token id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})",
