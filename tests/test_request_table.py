@@ -2,8 +2,8 @@
 deltas land, every plan it refuses and why, and, with hypothesis, that any
 sequence of valid plans leaves it holding exactly what the plans said.
 
-Every refusal case also runs through ModelRunner and the fake executor, which
-must refuse it with the same PlanError (the runner as a failed step)."""
+tests/test_plan_refusal_parity.py runs every refusal case here through
+ModelRunner and the fake executor too."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from fake_executor import FakeExecutor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor_svc.model_runner import ModelRunner
 from executor_svc.request_table import PlanError, RequestTable
 from shared.sampling_params import SamplingParams
 from shared.step_plan import CachedRequestData, NewRequestData, StepPlan
@@ -202,40 +199,6 @@ def test_the_table_refuses_a_plan_that_contradicts_it_or_itself(plan, message):
     with pytest.raises(PlanError) as refused:
         table.apply(plan)
     assert str(refused.value) == message
-
-
-class _StubModel:
-    """Hidden size 4; every logit row prefers token 5."""
-
-    def __call__(self, input_ids, positions, kv_caches, meta):
-        return torch.zeros(input_ids.shape[0], 4)
-
-    def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], VOCAB)
-        logits[:, 5] = 1.0
-        return logits
-
-
-class _StubBackend:
-    def prepare(self, meta):
-        pass
-
-
-@pytest.mark.parametrize(("plan", "message"), REFUSED.values(), ids=REFUSED.keys())
-def test_the_runner_and_the_fake_executor_refuse_the_same_plan_with_the_same_error(plan, message):
-    kv = [(torch.zeros(NUM_BLOCKS, BLOCK, 1, 4), torch.zeros(NUM_BLOCKS, BLOCK, 1, 4))]
-    runner = ModelRunner(_StubModel(), kv, BLOCK, VOCAB, torch.device("cpu"), _StubBackend())
-    fake = FakeExecutor(BLOCK, NUM_BLOCKS, VOCAB)
-    first = StepPlan(1, [new("a", [1, 2, 3], [1])])
-    assert not runner.execute(first).error and not fake.execute(first).error
-
-    with pytest.raises(PlanError) as refused:
-        fake.execute(plan)
-    result = runner.execute(plan)
-    assert str(refused.value) == message
-    assert result.error == f"PlanError: {message}" and not result.sampled
-    scheduled = [r.request_id for r in plan.new_requests] + plan.cached_requests.request_ids
-    assert result.failed_request_ids == scheduled and not set(scheduled) & set(runner.requests)
 
 
 # -- any valid plan sequence --------------------------------------------------------
