@@ -1,10 +1,11 @@
 """Turns one step plan into one batched forward pass plus sampling.
 
-The runner keeps each request's state between steps (its tokens, block table
-and sampling settings), so a plan carries only deltas: a new request crosses
-the wire once, then each step says how many tokens to compute and which blocks
-were appended. The runner feeds back its own sampled tokens: the next decode
-step of a request computes the token this runner sampled in the previous one.
+Each request's state between steps (its tokens, block table and sampling
+settings) lives in a RequestTable (request_table.py), which applies each
+plan's deltas and refuses inconsistent plans; the runner turns the table's
+batch into tensors, runs the model and samples. It feeds back its own sampled
+tokens: the next decode step of a request computes the token this runner
+sampled in the previous one.
 
 Per scheduled request the step computes tokens [num_computed, num_computed +
 num_scheduled) of its token list, in the order the plan lists them (new
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
+from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
 from executor_svc.sampler import Sampler, build_sampling_metadata
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult
@@ -44,24 +45,6 @@ if TYPE_CHECKING:
     from executor_svc.tensor_parallel import TPGroup
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    token_ids: list[int]  # prompt + outputs, including this runner's own samples
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-
-class PlanError(ValueError):
-    """The plan contradicts the runner's state: a scheduler/executor desync."""
 
 
 class ModelRunner:
@@ -85,8 +68,12 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.num_blocks = kv_caches[0][0].shape[0]
         self.sampler = sampler or Sampler()
-        self.requests: dict[str, RequestState] = {}
-        self._last_failed_step_id = 0
+        self.table = RequestTable(block_size, self.num_blocks, vocab_size)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The live requests by id (the table's)."""
+        return self.table.requests
 
     def reset(self) -> None:
         """Forgets every request and zeroes all KV memory (a scheduler handshook).
@@ -98,8 +85,7 @@ class ModelRunner:
         from before its handshake (after a loss it recomputes everything), so
         even its own reconnect loses nothing by it.
         """
-        self.requests.clear()
-        self._last_failed_step_id = 0
+        self.table.clear()
         for k, v in self.kv_caches:
             k.zero_()
             v.zero_()
@@ -107,99 +93,20 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; on any failure drops the step's requests and reports it."""
         start = time.perf_counter_ns()
-        scheduled_ids = [r.request_id for r in plan.new_requests] + list(plan.cached_requests.request_ids)
         if self.tp is not None and self.tp.is_driver:
             self.tp.send(("step", plan))  # the other ranks run this same method on it
-        if plan.last_result_step_id < self._last_failed_step_id:
-            # Sent before the scheduler saw that step fail (overlap scheduling): it
-            # may name requests the failure dropped, or hit prefix blocks it left
-            # unwritten. Run none of it; the scheduler recomputes its requests.
-            for rid in plan.finished_request_ids + scheduled_ids:
-                self.requests.pop(rid, None)
-            result = StepResult(
-                step_id=plan.step_id,
-                error=f"stale plan: made before step "
-                f"{self._last_failed_step_id} failed; its requests will be recomputed",
-            )
+        if stale := self.table.refuse_if_stale(plan):
+            result = StepResult(step_id=plan.step_id, error=stale)
             result.execute_time_ns = time.perf_counter_ns() - start
             return result
         try:
             result = self._execute(plan)
         except Exception as e:  # one step's failure must not take down the executor
-            log.exception("step_failed", step_id=plan.step_id, request_ids=scheduled_ids)
-            for rid in scheduled_ids:
-                self.requests.pop(rid, None)
-            self._last_failed_step_id = plan.step_id
-            result = StepResult(
-                step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=scheduled_ids
-            )
+            log.exception("step_failed", step_id=plan.step_id, request_ids=scheduled_request_ids(plan))
+            failed = self.table.drop_failed_step(plan)
+            result = StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}", failed_request_ids=failed)
         result.execute_time_ns = time.perf_counter_ns() - start
         return result
-
-    def _apply_plan(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
-        """Updates request states from the plan; returns (state, num_scheduled) in batch order."""
-        cached = plan.cached_requests
-        lengths = {
-            "request_ids": len(cached.request_ids),
-            "new_block_ids": len(cached.new_block_ids),
-            "num_computed_tokens": len(cached.num_computed_tokens),
-            "num_scheduled_tokens": len(cached.num_scheduled_tokens),
-        }
-        if len(set(lengths.values())) > 1:  # zip below would silently drop the extra entries
-            raise PlanError(
-                "cached_requests arrays must be aligned, one entry per request; got "
-                + ", ".join(f"{k}: {n}" for k, n in lengths.items())
-            )
-        for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
-        if plan.new_requests:
-            # Request ids join these lines to the scheduler's request_finished lines.
-            log.debug("requests_added", step_id=plan.step_id, request_ids=[r.request_id for r in plan.new_requests])
-        batch = []
-        for new in plan.new_requests:
-            if new.request_id in self.requests:
-                raise PlanError(f"new request {new.request_id!r} is already known")
-            # Checked here, not by the embedding lookup: a clear error, before any state changes on the device.
-            if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < self.vocab_size:
-                bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
-                raise PlanError(
-                    f"new request {new.request_id!r}: token id {bad} is outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})"
-                )
-            state = RequestState(
-                new.request_id,
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                new.sampling,
-                list(new.block_ids),
-                new.num_computed_tokens,
-            )
-            self.requests[new.request_id] = state
-            batch.append((state, new.num_scheduled_tokens))
-        for rid, new_blocks, num_computed, num_scheduled in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens
-        ):
-            state = self.requests.get(rid)
-            if state is None:
-                raise PlanError(f"cached request {rid!r} is unknown to the executor")
-            if num_computed != state.num_computed_tokens:
-                raise PlanError(
-                    f"request {rid!r}: plan says {num_computed} computed tokens, executor has {state.num_computed_tokens}"
-                )
-            state.block_ids.extend(new_blocks)
-            batch.append((state, num_scheduled))
-        for state, num_scheduled in batch:
-            end = state.num_computed_tokens + num_scheduled
-            if num_scheduled <= 0 or end > len(state.token_ids):
-                raise PlanError(
-                    f"request {state.request_id!r}: scheduling {num_scheduled} tokens from "
-                    f"{state.num_computed_tokens} but only {len(state.token_ids)} are known"
-                )
-            if -(-end // self.block_size) > len(state.block_ids):
-                raise PlanError(f"request {state.request_id!r}: {len(state.block_ids)} blocks cannot hold {end} tokens")
-            if any(not 0 < b < self.num_blocks for b in state.block_ids):
-                raise PlanError(f"request {state.request_id!r}: block id out of range 1..{self.num_blocks - 1}")
-        return batch
 
     def prepare_inputs(self, batch: list[tuple[RequestState, int]]):
         """The step's packed inputs for (state, num_scheduled) pairs: ids, positions, attention metadata, cu_seqlens."""
@@ -243,29 +150,31 @@ class ModelRunner:
         # Every rank holds the same state, so a bad plan fails on all of them;
         # with tp, `agreed` makes sure of it before anyone enters a collective.
         with tp.agreed("preparing the step") if tp else contextlib.nullcontext():
-            batch = self._apply_plan(plan)
-            # Only requests whose scheduled tokens reach the end of their known
-            # tokens produce a token; a mid-prompt chunk produces none.
-            sample_rows = [i for i, (s, n) in enumerate(batch) if s.num_computed_tokens + n == len(s.token_ids)]
-            _check_masks(plan, [batch[i][0] for i in sample_rows])
-            if batch:
-                input_ids, positions, meta, cu = self.prepare_inputs(batch)
+            batch = self.table.apply(plan)
+            if batch.rows:
+                input_ids, positions, meta, cu = self.prepare_inputs(batch.rows)
                 self.attn_backend.prepare(meta)
-        if not batch:
+        if batch.unknown_finished_ids:
+            # Harmless here (nothing to forget), but the scheduler promises never to: a sign of desync.
+            log.warning("finished_ids_unknown", step_id=plan.step_id, request_ids=batch.unknown_finished_ids)
+        if plan.new_requests:
+            # Request ids join these lines to the scheduler's request_finished lines.
+            log.debug("requests_added", step_id=plan.step_id, request_ids=[r.request_id for r in plan.new_requests])
+        if not batch.rows:
             return result
         with tp.fatal_on_error("the forward pass") if tp else contextlib.nullcontext():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        for state, n in batch:
-            state.num_computed_tokens += n
-        if not sample_rows:
+        self.table.mark_computed(batch)
+        states = batch.sampling_states
+        if not states:
             return result
-        states = [batch[i][0] for i in sample_rows]
         if tp is not None and not tp.is_driver:
-            for state, token in zip(states, tp.receive_tokens(len(states))):
-                state.token_ids.append(token)
+            self.table.append_sampled(batch, tp.receive_tokens(len(states)))
             return result
         try:
-            logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:][sample_rows] - 1, device=self.device)])
+            logits = self.model.compute_logits(
+                hidden[torch.as_tensor(cu[1:][batch.sample_rows] - 1, device=self.device)]
+            )
             edits = build_logit_edits(
                 [s.sampling for s in states],
                 [plan.allowed_token_masks.get(s.request_id) for s in states],
@@ -289,8 +198,8 @@ class ModelRunner:
             raise
         if tp is not None:
             tp.send_tokens(tokens, len(states))
+        self.table.append_sampled(batch, tokens)
         for state, token, lp in zip(states, tokens, out.logprobs):
-            state.token_ids.append(token)
             result.sampled[state.request_id] = token
             if lp is not None:
                 result.logprobs[state.request_id] = lp
@@ -333,11 +242,3 @@ class ModelRunner:
             self.sampler(logits, md)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _check_masks(plan: StepPlan, sampling: list[RequestState]) -> None:
-    """A mask for a request that does not sample this step means the scheduler lost track of it."""
-    if plan.allowed_token_masks:
-        extra = set(plan.allowed_token_masks) - {s.request_id for s in sampling}
-        if extra:
-            raise PlanError(f"allowed-token masks for requests that do not sample this step: {sorted(extra)}")

@@ -4,7 +4,7 @@ Used only at the gRPC edges of the two services: the scheduler encodes plans
 and decodes results, the executor does the reverse. Decoding is faithful:
 arrays keep their lengths, and a StepResult whose arrays are not aligned is
 refused (ValueError). A plan's cached_requests arrays are checked where they
-are applied (ModelRunner._apply_plan), so a malformed plan fails its step the
+are applied (RequestTable.apply), so a malformed plan fails its step the
 way every other inconsistent plan does.
 """
 

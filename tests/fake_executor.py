@@ -1,9 +1,14 @@
 """A stand-in for the executor process, plus an audit of the scheduler's bookkeeping.
 
-FakeExecutor consumes StepPlans exactly as the real executor does (per-request
-token lists and block tables built from new/cached requests, finished ids
-forgotten first) and checks the protocol on every step. Its "model" is a
-rolling fingerprint: the KV of position p is
+FakeExecutor applies StepPlans with the real executor's request table
+(executor_svc/request_table.py), so it accepts and refuses exactly the plans
+ModelRunner does; a refused plan raises its PlanError out of `execute` (the
+runner turns it into a failed step; here it is a scheduler bug and fails
+the test). On top it audits promises the scheduler makes beyond the
+protocol: step ids increase, finished ids name requests the executor holds,
+prefix hits are block-aligned, block tables are exactly as long as the
+tokens need, the batch limits hold. Its "model" is a rolling fingerprint:
+the KV of position p is
 
     fp(p) = hash((fp(p - 1), token[p]))          fp(-1) = FP_SEED
 
@@ -30,10 +35,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from executor_svc.request_table import RequestState, RequestTable, StepBatch
 from scheduler_svc.block_pool import hash_block_tokens
 from scheduler_svc.executor_connection import ExecutorInfo
 from scheduler_svc.scheduler import Scheduler
-from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult, TokenLogprobs
 from shared.token_mask import mask_width_bytes, unpack_allowed
 
@@ -88,12 +93,7 @@ def reference_next_token(token_ids: list[int], vocab_size: int) -> int:
 
 
 @dataclass
-class _ExecRequest:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+class _ExecRequest(RequestState):
     fps: list[int] = field(default_factory=list)  # own fingerprints of token_ids[:len(fps)]
 
     def fps_up_to(self, end: int) -> list[int]:
@@ -121,13 +121,16 @@ class FakeExecutor:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.verify_kv = verify_kv  # check every prefix slot each step (O(context)); else only the boundary
         self.kv: list[int | None] = [None] * (num_blocks * block_size)
-        self.requests: dict[str, _ExecRequest] = {}
+        self.table = RequestTable(block_size, num_blocks, vocab_size, state_type=_ExecRequest)
         self.last_step_id = 0
-        self.last_failed_step_id = 0
         self.num_stale_plans = 0
         self.num_steps = 0
         self._fail_next: tuple[str, list[str] | None] | None = None
-        self._written: dict[int, str] = {}  # block id -> request writing it in the current step
+
+    @property
+    def requests(self) -> dict[str, _ExecRequest]:
+        """The live requests by id (the table's)."""
+        return self.table.requests
 
     @classmethod
     def for_scheduler(cls, scheduler: Scheduler, vocab_size: int = 1000, **kwargs) -> FakeExecutor:
@@ -156,122 +159,82 @@ class FakeExecutor:
         assert plan.step_id > self.last_step_id, f"step id {plan.step_id} after {self.last_step_id}"
         self.last_step_id = plan.step_id
         self.num_steps += 1
-        if plan.last_result_step_id < self.last_failed_step_id:
-            # Made before the scheduler saw the failure: refused, like the real executor.
+        if stale := self.table.refuse_if_stale(plan):
             self.num_stale_plans += 1
-            for rid in plan.finished_request_ids + [r.request_id for r in plan.new_requests]:
-                self.requests.pop(rid, None)
-            for rid in plan.cached_requests.request_ids:
-                self.requests.pop(rid, None)
-            return StepResult(step_id=plan.step_id, error="stale plan")
-        for rid in plan.finished_request_ids:
-            assert rid in self.requests, f"told to forget request {rid!r}, which it does not hold"
-            del self.requests[rid]
-
-        batch: list[tuple[str, _ExecRequest, int]] = []
-        for new in plan.new_requests:
-            assert new.request_id not in self.requests, f"new request {new.request_id!r} is already held"
-            assert new.num_computed_tokens % self.block_size == 0, f"{new.request_id!r}: prefix hit not block-aligned"
-            assert 0 < new.num_prompt_tokens <= len(new.token_ids), f"{new.request_id!r}: bad num_prompt_tokens"
-            req = _ExecRequest(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids), new.num_computed_tokens
-            )
-            self.requests[new.request_id] = req
-            batch.append((new.request_id, req, new.num_scheduled_tokens))
-        cached = plan.cached_requests
-        assert (
-            len(cached.request_ids)
-            == len(cached.new_block_ids)
-            == len(cached.num_computed_tokens)
-            == len(cached.num_scheduled_tokens)
-        ), "cached_requests columns differ in length"
-        for rid, new_blocks, num_computed, num_scheduled in zip(
-            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens
-        ):
-            req = self.requests.get(rid)
-            assert req is not None, f"cached request {rid!r} is not held"
-            assert num_computed == req.num_computed_tokens, (
-                f"{rid!r}: plan says {num_computed} computed tokens, executor counted {req.num_computed_tokens}"
-            )
-            req.block_ids += new_blocks
-            batch.append((rid, req, num_scheduled))
-        self._check_batch(plan, batch)
+            return StepResult(step_id=plan.step_id, error=stale)
+        batch = self.table.apply(plan)  # PlanError: the scheduler sent a plan the real executor refuses
+        self._audit_plan(plan, batch)
 
         if self._fail_next is not None:
             error, failed_ids = self._fail_next
             self._fail_next = None
-            self.last_failed_step_id = plan.step_id
-            for rid, req, n in batch:
+            for req, n in batch.rows:
                 for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
                     self.kv[self._slot(req, pos)] = GARBAGE
-                del self.requests[rid]
-            ids = [rid for rid, _, _ in batch] if failed_ids is None else failed_ids
-            return StepResult(step_id=plan.step_id, error=error, failed_request_ids=ids)
+            ids = self.table.drop_failed_step(plan)
+            return StepResult(
+                step_id=plan.step_id, error=error, failed_request_ids=ids if failed_ids is None else failed_ids
+            )
 
         # Like the real model: the whole step's KV is written before anyone reads.
-        for _rid, req, n in batch:
+        for req, n in batch.rows:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             fps = req.fps_up_to(end)
             for pos in range(start, end):
                 self.kv[self._slot(req, pos)] = fps[pos]
-        self._check_shared_blocks()
-        result = StepResult(step_id=plan.step_id)
-        masks = dict(plan.allowed_token_masks)
-        for rid, req, n in batch:
+        self._check_shared_blocks(batch.written_blocks)
+        for req, n in batch.rows:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             fps = req.fps_up_to(end)
             for pos in range(0, end) if self.verify_kv else range(max(start - 1, 0), end):
                 got = self.kv[self._slot(req, pos)]
                 assert got == fps[pos], (
-                    f"{rid!r}: KV at position {pos} (block {req.block_ids[pos // self.block_size]}) "
+                    f"{req.request_id!r}: KV at position {pos} (block {req.block_ids[pos // self.block_size]}) "
                     f"is {got}, expected {fps[pos]}"
                 )
-            req.num_computed_tokens = end
-            if end == len(req.token_ids):
-                token = fps[end - 1] % self.vocab_size
-                if rid in masks:
-                    token = _first_allowed(masks.pop(rid), token, self.vocab_size)
-                req.token_ids.append(token)
-                result.sampled[rid] = token
-                if req.sampling.logprobs is not None:
-                    top = [((token + k) % self.vocab_size, -1.0 - k) for k in range(req.sampling.logprobs)]
-                    result.logprobs[rid] = TokenLogprobs(logprob=-1.0, top=top)
-        assert not masks, f"allowed-token masks for requests that do not sample: {sorted(masks)}"
+        self.table.mark_computed(batch)
+        result = StepResult(step_id=plan.step_id)
+        tokens = []
+        for req in batch.sampling_states:
+            rid = req.request_id
+            token = req.fps[len(req.token_ids) - 1] % self.vocab_size
+            if rid in plan.allowed_token_masks:
+                token = _first_allowed(plan.allowed_token_masks[rid], token, self.vocab_size)
+            tokens.append(token)
+            result.sampled[rid] = token
+            if req.sampling.logprobs is not None:
+                top = [((token + k) % self.vocab_size, -1.0 - k) for k in range(req.sampling.logprobs)]
+                result.logprobs[rid] = TokenLogprobs(logprob=-1.0, top=top)
+        self.table.append_sampled(batch, tokens)
         return result
 
-    def _check_batch(self, plan: StepPlan, batch: list[tuple[str, _ExecRequest, int]]) -> None:
+    def _audit_plan(self, plan: StepPlan, batch: StepBatch) -> None:
+        """The scheduler's promises beyond what the executor's table requires of a plan."""
         bs = self.block_size
-        ids = [rid for rid, _, _ in batch]
-        assert len(set(ids)) == len(ids), f"a request appears twice in step {plan.step_id}"
+        assert not batch.unknown_finished_ids, (
+            f"told to forget requests it does not hold: {batch.unknown_finished_ids} (the table ignores them)"
+        )
+        for new in plan.new_requests:
+            assert new.num_computed_tokens % bs == 0, f"{new.request_id!r}: prefix hit not block-aligned"
         if self.max_num_seqs is not None:
-            assert len(batch) <= self.max_num_seqs, f"{len(batch)} requests > max_num_seqs"
+            assert len(batch.rows) <= self.max_num_seqs, f"{len(batch.rows)} requests > max_num_seqs"
         if self.max_num_batched_tokens is not None:
-            total = sum(n for _, _, n in batch)
+            total = sum(n for _, n in batch.rows)
             assert total <= self.max_num_batched_tokens, f"{total} tokens > max_num_batched_tokens"
-        for rid, req in self.requests.items():
-            assert len(set(req.block_ids)) == len(req.block_ids), f"{rid!r}: block table repeats a block"
-            for b in req.block_ids:
-                assert 0 < b < self.num_blocks, f"{rid!r}: block id {b} out of range (0 is the null block)"
-        writers: dict[int, str] = {}
-        for rid, req, n in batch:
+        for req, n in batch.rows:
             end = req.num_computed_tokens + n
-            assert n >= 1 and end <= len(req.token_ids), f"{rid!r}: schedules {n} tokens past its {len(req.token_ids)}"
             assert len(req.block_ids) == -(-end // bs), (
-                f"{rid!r}: {len(req.block_ids)} blocks for {end} tokens (block size {bs})"
+                f"{req.request_id!r}: {len(req.block_ids)} blocks for {end} tokens (block size {bs})"
             )
-            for b in req.block_ids[req.num_computed_tokens // bs :]:
-                assert b not in writers, f"block {b} is written by both {writers[b]!r} and {rid!r}"
-                writers[b] = rid
-        # Someone else may hold a block written now only as a prefix-cache hit
-        # on it, i.e. inside its computed prefix; _check_shared_blocks compares
-        # the content once written.
-        self._written = writers
 
-    def _check_shared_blocks(self) -> None:
+    def _check_shared_blocks(self, written: dict[int, str]) -> None:
+        """Someone else may hold a block written now only as a prefix-cache hit
+        on it, i.e. inside its computed prefix; its content must then be that
+        request's own, once written."""
         bs = self.block_size
         for rid, req in self.requests.items():
             for index, b in enumerate(req.block_ids):
-                writer = self._written.get(b)
+                writer = written.get(b)
                 if writer is None or writer == rid:
                     continue
                 end = (index + 1) * bs

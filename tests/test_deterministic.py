@@ -10,7 +10,7 @@ BF16 blocks all take part. Every comparison is exact: token ids, and the
 logprob floats bit for bit.
 
 The Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 must be
-set before triton is first imported, as in test_attention.py).
+set before triton is first imported, as in tests/attention_utils.py).
 """
 
 from __future__ import annotations
