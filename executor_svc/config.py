@@ -126,11 +126,11 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        if self.deterministic and (self.cpu_gemm == "torch" or self.attention_backend == "torch"):
-            raise ValueError(
-                "--deterministic needs the native CPU kernels: drop --cpu-gemm torch and "
-                "--attention-backend torch (MKL's and SDPA's sums are ordered by the batch shape)"
-            )
+        # The worker refuses what depends on the resolved device (check_deterministic_cuda).
+        if self.deterministic and self.attention_backend == "torch":
+            raise ValueError("--deterministic: --attention-backend torch (SDPA) orders its sums by the batch shape")
+        if self.deterministic and self.cpu_gemm == "torch" and self.device != "cuda":
+            raise ValueError("--deterministic on CPU: --cpu-gemm torch (MKL) orders its sums by the batch shape")
         if not is_loopback(self.listen) and not self.auth_token:
             raise ValueError(
                 f"--listen {self.listen} is reachable from other hosts: set --auth-token-file "
@@ -154,6 +154,9 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     a = p.parse_args(argv)
     try:
         token = read_secret_file(a.auth_token_file) if a.auth_token_file else a.auth_token
+    except (OSError, ValueError) as e:
+        p.error(f"--auth-token-file {e}")
+    try:
         if not token and is_loopback(a.listen):
             # A public address needs a secret the operator hands to a remote scheduler (checked below).
             token = installation_secret(a.secret_dir or default_secret_dir(environ))

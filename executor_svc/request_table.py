@@ -216,6 +216,8 @@ class RequestTable:
         in_step.add(rid)
 
     def _check_blocks(self, rid: str, held: list[int], added: list[int]) -> None:
+        if not added:  # most decode steps: nothing to check, and `held` is never walked
+            return
         for b in added:
             if not 0 < b < self.num_blocks:
                 raise PlanError(f"request {rid!r}: block id {b} is out of range 1..{self.num_blocks - 1}")

@@ -51,9 +51,8 @@ def _model_facts(info: ExecutorInfo) -> tuple:
 class ExecutorLink:
     def __init__(self, client: ExecutorConnection, config):
         self.client = client
-        self._config = (
-            config  # block_size, max_num_batched_tokens, max_num_seqs, step_timeout_s, executor_recovery_timeout_s
-        )
+        # step_timeout_s, executor_recovery_timeout_s; the policy (block_size, the batch limits) in .scheduler
+        self._config = config
         self.info: ExecutorInfo | None = None  # the last handshake's
         self.connected = False
         self._on_connection_change: list[Callable[[bool], None]] = []

@@ -126,6 +126,8 @@ def parser_for(cls: type, environ: Mapping[str, str], *, prog: str, description:
             continue
         typed = {"type": kind} if kind in (int, float) else {}
         default = ",".join(f.default) if kind is tuple else f.default
+        if opt.choices is None:  # the flag's name, not the field's (--step-timeout STEP_TIMEOUT, not ..._S)
+            typed["metavar"] = flag_of(f).lstrip("-").replace("-", "_").upper()
         parser.add_argument(flag_of(f), dest=f.name, default=default, choices=opt.choices, help=opt.help, **typed)
     return parser
 
@@ -135,7 +137,7 @@ def _value(f: dataclasses.Field, kind: Any, raw: Any) -> Any:
         return (not f.default if isinstance(f.default, bool) else True) if raw else f.default
     if kind is tuple:
         return tuple(v.strip() for v in raw.split(",") if v.strip())
-    return (raw or None) if f.default is None else raw
+    return None if f.default is None and raw == "" else raw  # `str | None`: "" means unset
 
 
 def _values(cls: type, args: argparse.Namespace) -> dict[str, Any]:

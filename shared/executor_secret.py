@@ -47,7 +47,7 @@ def read_secret_file(path: str) -> str:
         lines = [line.strip() for line in f]
     lines = [line for line in lines if line and not line.startswith("#")]
     if not lines:
-        raise ValueError(f"{path} holds no secret (it is empty)")
+        raise ValueError(f"{path} holds no secret (it is empty, or only blank and # lines)")
     if len(lines) > 1 or len(lines[0].split()) != 1:
         raise ValueError(f"{path}: expected exactly one token on one line")
     return lines[0]

@@ -8,36 +8,23 @@ output NaN. `run_step` writes outputs into NaN-filled buffers, so an output
 element a backend forgets to write fails too.
 
 The Triton kernels run compiled on CUDA tensors where a GPU exists, and
-otherwise in Triton's interpreter on CPU tensors. The interpreter must be
-chosen before triton is first imported (triton decorates its own library
-functions at import), so this module sets TRITON_INTERPRET=1 when it is
-imported and leaves it set: every attention test file imports it first.
+otherwise in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is first imported).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import sys
 
 import torch
 
 ON_GPU = torch.cuda.is_available()
-_TRITON_IMPORTED_TOO_EARLY = False
-if not ON_GPU:
-    _TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-    os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
 
 from executor_svc.attention import get_backend  # noqa: E402
 from executor_svc.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
-needs_triton_runtime = pytest.mark.skipif(
-    not ON_GPU and _TRITON_IMPORTED_TOO_EARLY,
-    reason="triton was imported before TRITON_INTERPRET=1 could be set; run the Triton test files on their own",
-)
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 

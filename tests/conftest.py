@@ -6,6 +6,14 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors.
+# The switch must be set before triton is first imported (triton decorates its
+# own library functions at import), so it is set here, before pytest imports
+# any test module, and only here: on a GPU every Triton test runs the kernels.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -15,7 +15,6 @@ from attention_utils import (
     assert_matches_reference,
     backend_named,
     mixed_shapes,
-    needs_triton_runtime,
     run_step,
     to_device,
 )
@@ -24,7 +23,6 @@ from executor_svc.attention import get_backend
 from executor_svc.attention.reference import make_batch
 
 
-@needs_triton_runtime
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_backends_accept_strided_views_of_a_fused_qkv(backend_name):
     batch = make_batch(
@@ -34,7 +32,6 @@ def test_backends_accept_strided_views_of_a_fused_qkv(backend_name):
     assert_matches_reference(run_step(backend_named(backend_name), strided), batch)
 
 
-@needs_triton_runtime
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_write_kv_writes_exactly_the_mapped_slots(backend_name):
     num_blocks, block_size, num_kv_heads, head_dim = 6, 8, 2, 64
@@ -60,7 +57,6 @@ def test_write_kv_writes_exactly_the_mapped_slots(backend_name):
         assert torch.equal(after[untouched], before.view(-1, num_kv_heads, head_dim)[untouched])
 
 
-@needs_triton_runtime
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_forward_before_prepare_raises(backend_name):
     batch = to_device(make_batch([(3, 1)], block_size=8, num_kv_heads=1, group=1, head_dim=64))

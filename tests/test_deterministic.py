@@ -9,19 +9,13 @@ kernel's AVX-512 path runs, and GGUF blocks, float32 panels and (bfloat16)
 BF16 blocks all take part. Every comparison is exact: token ids, and the
 logprob floats bit for bit.
 
-The Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 must be
-set before triton is first imported, as in tests/attention_utils.py).
+The Triton kernels run in Triton's interpreter without a GPU (TRITON_INTERPRET=1,
+set by tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
-
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -161,7 +155,6 @@ def test_cpu_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dt
         assert torch.equal(out, decoded), (chunks, others)
 
 
-@pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_triton_attention_of_a_token_is_the_same_decoded_or_in_any_prefill_chunk(dtype):
     """One kernel for decodes and prefills, a fixed tile shape and key chunks
@@ -209,7 +202,6 @@ def make_triton_runner(path: str, dtype: torch.dtype) -> ModelRunner:
     )
 
 
-@pytest.mark.skipif(_TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_triton_path_outputs_are_bit_identical_whatever_the_batch_chunking_or_preemption(tiny_hf, dtype):
     """The runner-level case above, smaller, through the Triton path in the interpreter."""
@@ -268,9 +260,15 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     assert parse_config(["--deterministic"]).deterministic
     assert not parse_config([]).deterministic
     assert parse_config([], environ={"PAGEDSERVE_DETERMINISTIC": "1"}).deterministic
-    for flags in (["--cpu-gemm", "torch"], ["--attention-backend", "torch"]):
+    for flags in (
+        ["--cpu-gemm", "torch"],
+        ["--attention-backend", "torch"],
+        ["--device", "cuda", "--attention-backend", "torch"],
+    ):
         with pytest.raises(SystemExit):
             parse_config(["--deterministic", *flags])
+    # --cpu-gemm does nothing on CUDA, so it does not stand in the way there.
+    assert parse_config(["--deterministic", "--device", "cuda", "--cpu-gemm", "torch"]).deterministic
     from executor_svc.sampler import RowOps
     from executor_svc.worker import check_deterministic_cuda, sampler_for, use_packed_gemm
 
@@ -284,8 +282,7 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
     # The sampler's row sums: torch's on CPU (per row there) and without the flag; Triton's on CUDA with it.
     assert sampler_for(torch.device("cpu"), True).ops == RowOps()
     assert sampler_for(torch.device("cuda"), False).ops == RowOps()
-    if not _TRITON_IMPORTED_TOO_EARLY:
-        assert sampler_for(torch.device("cuda"), True).ops == RowOps.triton() != RowOps()
+    assert sampler_for(torch.device("cuda"), True).ops == RowOps.triton() != RowOps()
     if NATIVE:  # even where the CPU has fast bf16 of its own, the packed kernel's sums are the invariant ones
         assert use_packed_gemm("auto", torch.device("cpu"), torch.bfloat16, deterministic=True)
 

@@ -100,7 +100,7 @@ def test_a_plan_made_before_a_failed_step_is_stale_and_its_requests_are_forgotte
     assert list(table.requests) == ["a"] and table.last_failed_step_id == 2
     stale = StepPlan(3, [new("c", [1], [3])], cached(("a", [], 3, 1)), last_result_step_id=1)
     assert table.refuse_if_stale(stale) == "stale plan: made before step 2 failed; its requests will be recomputed"
-    assert table.requests == {}, "its new requests too"
+    assert table.requests == {}, "a, which the stale plan scheduled, is forgotten"
     assert table.refuse_if_stale(StepPlan(4, [new("a", [1], [1])], last_result_step_id=3)) == ""
     table.clear()
     assert table.last_failed_step_id == 0

@@ -5,8 +5,7 @@ in batches of other rows.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, with
 small tiles so that several tiles, K steps and lane blocks take part
-(TRITON_INTERPRET=1 must be set before triton is first imported, as in
-test_attention.py). The interpreter is not a GPU: it multiplies bfloat16
+(TRITON_INTERPRET=1, set by tests/conftest.py before triton is first imported). The interpreter is not a GPU: it multiplies bfloat16
 tiles widened to float32 (matmul.py) and rounds float32 to bfloat16 toward
 zero, so these tests check the kernels' design (which sums, in which
 order), not a GPU's bits; bench/gpu_check.py checks those where one is lent.
@@ -15,23 +14,14 @@ order), not a GPU's bits; bench/gpu_check.py checks those where one is lent.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import torch
 
 ON_GPU = torch.cuda.is_available()
-_TRITON_IMPORTED_TOO_EARLY = False
-if not ON_GPU:
-    _TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    _TRITON_IMPORTED_TOO_EARLY, reason="triton was imported before TRITON_INTERPRET=1 could be set"
-)
 
 from executor_svc.sampler import RowOps, Sampler, build_sampling_metadata  # noqa: E402
 from executor_svc.triton_invariant import matmul, rms_norm, rows  # noqa: E402

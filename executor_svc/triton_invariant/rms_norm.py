@@ -8,9 +8,11 @@ BLOCK_D alone: lane j of a BLOCK_D-wide float32 accumulator sums the
 elements j, j + BLOCK_D, ... in turn, then tl.sum folds the lanes in one
 fixed tree.
 
-Numerics are model.rms_norm's (transformers' Llama): in float32 and rounded
-to the model dtype before the weight multiply, whose product is rounded
-again; with `delta`, h + delta is rounded to h's dtype, written back into h
+The rounding steps are model.rms_norm's (transformers' Llama): in float32
+and rounded to the model dtype before the weight multiply, whose product is
+rounded again (on a GPU Triton's sqrt and division may be the fast
+approximate instructions, so the values can differ from torch's in the last
+bits; the order, hence the invariance, does not depend on that); with `delta`, h + delta is rounded to h's dtype, written back into h
 (the residual stream, in place) and normalised as rounded.
 
 Two passes over the row: the first sums squares, the second recomputes
