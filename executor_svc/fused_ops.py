@@ -36,6 +36,8 @@ def _bf16_lib() -> ctypes.CDLL | None:
     return lib if lib is not None and lib.silu_mul_bf16(None, 0, None, 0, 0, 0, 1) == 0 else None
 
 
+# Each dtype's library; every lookup goes through this table (tests and
+# bench.fused_ops_ab switch the bf16 kernels off by replacing an entry).
 _LIBRARIES = {torch.float32: _lib, torch.bfloat16: _bf16_lib}
 
 
@@ -79,7 +81,8 @@ def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
         f"weight {tuple(weight.shape)} {weight.dtype} for {tuple(x.shape)} {x.dtype}"
     )
     out = torch.empty(x.shape, dtype=x.dtype)
-    status = (_bf16_lib().rms_norm_bf16 if x.dtype == torch.bfloat16 else _lib().rms_norm_f32)(
+    lib = _LIBRARIES[x.dtype]()
+    status = (lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32)(
         out.data_ptr(),
         out.stride(0),
         x.data_ptr(),
@@ -106,7 +109,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
         cos.shape == sin_signed.shape == (tokens, dim) and cos.stride() == sin_signed.stride() and cos.stride(1) == 1
     ), f"cos/sin {tuple(cos.shape)} {cos.stride()} for x {tuple(x.shape)}"
     assert cos.dtype == sin_signed.dtype == x.dtype, f"cos/sin {cos.dtype} for x {x.dtype}"
-    status = (_bf16_lib().rope_bf16 if x.dtype == torch.bfloat16 else _lib().rope_f32)(
+    lib = _LIBRARIES[x.dtype]()
+    status = (lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32)(
         x.data_ptr(),
         x.stride(0),
         x.stride(1),
@@ -129,7 +133,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    kernel = _bf16_lib().silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else _lib().silu_mul_f32
+    lib = _LIBRARIES[gate_up.dtype]()
+    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
     status = kernel(
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
     )

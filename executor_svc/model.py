@@ -23,7 +23,10 @@ token: RMSNorm normalises in float32 and rounds before the weight multiply,
 rotary uses the "rotate_half" layout with cos/sin computed in float32, and
 logits are computed in the model dtype before the cast to float32. (A
 bfloat16 model widened for CPUs without bf16 arithmetic, `weight_packing.widen_bf16`,
-computes in float32 over its bfloat16 weights instead.)
+computes in float32 over its bfloat16 weights instead.) The native bfloat16
+norm, rope and gate (fused_ops.py) round to bfloat16 wherever the plain-torch
+code below does, so a bf16 model gets the same values either way, up to one
+bf16 step where a sum or an exp is computed in another order.
 
 This file is the architecture only. The native CPU GEMM's packed copies of
 the weights are made after loading, by weight_packing.py, into the slots the

@@ -5,6 +5,8 @@ plain-torch path: model.py with the bf16 kernels switched off)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,10 +27,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Runs the model's ops as before these kernels: bf16 through plain torch."""
-    monkeypatch.setitem(fused_ops._LIBRARIES, BF16, lambda: None)
+@contextlib.contextmanager
+def torch_path():
+    """The model's ops as before these kernels: bf16 through plain torch."""
+    kernels = fused_ops._LIBRARIES[BF16]
+    fused_ops._LIBRARIES[BF16] = lambda: None
+    try:
+        yield
+    finally:
+        fused_ops._LIBRARIES[BF16] = kernels
 
 
 def bf16_randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -52,7 +59,7 @@ def test_available_for_float32_and_bfloat16_cpu_tensors_of_one_dtype():
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (3, 37), (17, 64), (70, 1000)])
-def test_add_rms_norm_is_torchs_bf16_result_and_within_rounding_of_float64(rows, dim, monkeypatch):
+def test_add_rms_norm_is_torchs_bf16_result_and_within_rounding_of_float64(rows, dim):
     """h becomes torch's bf16 h + delta bit for bit; the output is within two
     bf16 roundings of float64 over those values, and at most one bf16 step from
     the torch path's (the sum of squares is summed in another order)."""
@@ -64,9 +71,9 @@ def test_add_rms_norm_is_torchs_bf16_result_and_within_rounding_of_float64(rows,
     s = (h0 + delta).double()
     ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     torch.testing.assert_close(got.double(), ref, rtol=RTOL, atol=1e-30)
-    monkeypatch.setitem(fused_ops._LIBRARIES, BF16, lambda: None)
-    h_torch = h0.clone()
-    want = model.add_rms_norm(h_torch, delta, w, 1e-5)
+    with torch_path():
+        h_torch = h0.clone()
+        want = model.add_rms_norm(h_torch, delta, w, 1e-5)
     assert torch.equal(bits(h_torch), bits(h)) and ulps_apart(got, want) <= 1
 
 
@@ -101,14 +108,15 @@ def test_the_residual_add_rounds_every_bit_pattern_as_torch():
 
 
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 64), (7, 12, 64), (40, 3, 128), (5, 2, 10), (3, 4, 40)])
-def test_rope_in_place_is_torchs_bf16_result_on_a_fused_qkv_view(tokens, heads, dim, torch_path):
+def test_rope_in_place_is_torchs_bf16_result_on_a_fused_qkv_view(tokens, heads, dim):
     """Head dims whose half is and is not a multiple of 16; v stays untouched."""
     qkv = bf16_randn(tokens, heads + 2, dim, seed=tokens * heads, scale=2)
     angles = torch.rand(tokens, dim // 2, generator=torch.Generator().manual_seed(dim)) * 6
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(BF16)
     sin_signed = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(BF16)
     before = qkv.clone()
-    want = model.apply_rope(before[:, :heads], cos, sin_signed)  # torch_path: a rotated copy
+    with torch_path():
+        want = model.apply_rope(before[:, :heads], cos, sin_signed)  # a rotated copy
     out = fused_ops.rope_(qkv[:, :heads], cos, sin_signed)
     assert out.data_ptr() == qkv.data_ptr()
     assert torch.equal(bits(qkv[:, :heads]), bits(want))
