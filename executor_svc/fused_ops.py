@@ -1,7 +1,8 @@
 """RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
 the sampler's row argmax, each in one native pass, for CPU tensors: float32
 (native/fused_ops.c) and, all but the argmax, bfloat16 (native/fused_ops_bf16.c,
-which rounds to bfloat16 where torch's bf16 ops round: see its header).
+which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
+the KV-cache write for bfloat16.
 
 `available(*tensors)` says whether an op's tensors can take the native path;
 the model falls back to plain torch otherwise (CUDA, mixed dtypes, no C
@@ -139,6 +140,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
     )
     return out if status == 0 else None
+
+
+def write_kv_bf16(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k_cache/v_cache [blocks, block_size, kv_heads, dim] bfloat16: token t's
+    key/value [tokens, kv_heads, dim] (views with unit-stride heads, as the
+    heads of a fused qkv row) into slot slots[t] (int64), as
+    TorchAttentionBackend.write_kv's index_copy_ does. IndexError for a slot
+    outside the cache, before anything is written."""
+    tokens, heads, dim = key.shape
+    assert value.shape == key.shape and key.stride(2) == value.stride(2) == 1, (
+        f"key {tuple(key.shape)} {key.stride()}, value {tuple(value.shape)} {value.stride()}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape, "KV caches"
+    assert k_cache.shape[2:] == (heads, dim) and available(key, value, k_cache, v_cache) and key.dtype == torch.bfloat16
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,), f"slots {slots.shape}"
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = _LIBRARIES[torch.bfloat16]().kv_write_bf16(
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_slots,
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        slots.data_ptr(),
+        tokens,
+        heads,
+        dim,
+    )
+    if status == -2:
+        raise IndexError(f"a KV slot outside the cache's {num_slots}: {slots.tolist()}")
+    _ran(status)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ plain-torch path: model.py with the bf16 kernels switched off)."""
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -184,3 +185,29 @@ def test_a_row_is_the_same_alone_or_in_a_batch_at_any_thread_count():
     for batch in results:
         for got, first, one in zip(batch, results[0], alone):
             assert torch.equal(bits(got), bits(first)) and torch.equal(bits(got[7:8]), bits(one))
+
+
+def test_kv_write_stores_the_rows_torchs_index_copy_stores(monkeypatch):
+    """Through the CPU backend, from the k and v heads of a fused qkv row into
+    scattered slots, bit for bit as the torch backend's write; a slot outside
+    the cache raises before anything is written."""
+    from executor_svc.attention import get_backend
+
+    native = fused_ops.write_kv_bf16
+    calls = []
+    monkeypatch.setattr(fused_ops, "write_kv_bf16", lambda *args: calls.append(args) or native(*args))
+    qkv = bf16_randn(5, 9 + 2 * 3, 64, seed=12)  # 9 q heads, 3 k heads, 3 v heads
+    key, value = qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    caches = [torch.full((4, 16, 3, 64), float("nan"), dtype=BF16) for _ in range(4)]
+    meta = types.SimpleNamespace(slot_mapping=slots)  # all write_kv reads of the step's metadata
+    get_backend("cpu").write_kv(key, value, caches[0], caches[1], meta)
+    assert len(calls) == 1
+    with torch_path():
+        get_backend("torch").write_kv(key, value, caches[2], caches[3], meta)
+    assert torch.equal(bits(caches[0]), bits(caches[2])) and torch.equal(bits(caches[1]), bits(caches[3]))
+    assert torch.equal(bits(caches[0].view(-1, 3, 64)[40]), bits(key[2]))
+    before = caches[0].clone()
+    with pytest.raises(IndexError):
+        native(key, value, caches[0], caches[1], torch.tensor([1, 2, 3, 4, 64]))
+    assert torch.equal(bits(caches[0]), bits(before))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import fused_ops
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
@@ -75,7 +76,18 @@ class CpuAttentionBackend:
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
-        self.write_kv = self._prefills.write_kv
+
+    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        """bfloat16 K/V into a bfloat16 cache: one native copy for both (no
+        operator calls per layer); anything else through torch's index_copy_."""
+        if (
+            key.dtype == torch.bfloat16
+            and fused_ops.available(key, value, k_cache, v_cache)
+            and key.stride(2) == value.stride(2) == 1
+        ):
+            fused_ops.write_kv_bf16(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self._prefills.write_kv(key, value, k_cache, v_cache, meta)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)

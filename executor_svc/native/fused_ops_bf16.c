@@ -1,6 +1,7 @@
 /* The elementwise steps of a decoder layer for bfloat16 activations, each one
  * pass over bfloat16 rows: the residual add with RMSNorm, rotary embedding
- * and the SwiGLU gate (fused_ops.c has the float32 ones).
+ * and the SwiGLU gate (fused_ops.c has the float32 ones); and the KV-cache
+ * write, a plain copy.
  *
  * torch runs each as several kernels, and every bf16 op among them converts
  * its inputs to float32 and its result back (RMSNorm: a float32 copy, square,
@@ -26,6 +27,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Rows per thread below which a parallel region costs more than it saves. */
 #define MIN_ROWS_PER_THREAD 8
@@ -133,4 +135,29 @@ int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_
     (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)num_threads;
     return -1;
 #endif
+}
+
+/* The KV-cache write: k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t],
+ * each a row of heads x dim values (contiguous in the cache; k and v may be
+ * strided views, the k and v heads of a fused qkv row). Plain copies, no
+ * arithmetic, on one thread: a step's new K/V rows are a few hundred KB at
+ * most, where torch's index_copy_ costs two operator calls a layer. Returns
+ * -2, writing nothing, if a slot lies outside [0, num_slots). Needs no
+ * AVX-512, but is only called where the kernels above run. */
+int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const uint16_t *k, int64_t ld_k_tok,
+                  int64_t ld_k_head, const uint16_t *v, int64_t ld_v_tok, int64_t ld_v_head, const int64_t *slots,
+                  int tokens, int heads, int dim)
+{
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return -2;
+    const size_t row = (size_t)dim * sizeof(uint16_t);
+    for (int t = 0; t < tokens; t++) {
+        uint16_t *kc = k_cache + slots[t] * heads * dim, *vc = v_cache + slots[t] * heads * dim;
+        for (int h = 0; h < heads; h++) {
+            memcpy(kc + h * dim, k + t * ld_k_tok + h * ld_k_head, row);
+            memcpy(vc + h * dim, v + t * ld_v_tok + h * ld_v_head, row);
+        }
+    }
+    return 0;
 }
