@@ -211,3 +211,31 @@ def test_kv_write_stores_the_rows_torchs_index_copy_stores(monkeypatch):
     with pytest.raises(IndexError):
         native(key, value, caches[0], caches[1], torch.tensor([1, 2, 3, 4, 64]))
     assert torch.equal(bits(caches[0]), bits(before))
+
+
+def test_a_bf16_model_on_the_cpu_backend_decodes_as_the_torch_path(tmp_path):
+    """A tiny bf16 model (not widened: bf16 activations), every layer's norms,
+    rope (head_dim 16: a tail-only half), gate (width 160) and KV writes
+    native, against the same model with the bf16 kernels off: the same greedy
+    tokens, logits within a few bf16 steps (where a sum of squares or an exp
+    lands across a rounding boundary)."""
+    from model_utils import PagedEngine, load_hf_folder, make_backend, save_tiny_hf_model
+
+    save_tiny_hf_model("llama3", str(tmp_path))
+    bf16_model = load_hf_folder(str(tmp_path), make_backend("cpu"), BF16)
+    prompts = [[5, 17, 99, 3, 250, 41, 7], [8, 1, 300, 12, 60, 60, 2, 9, 111, 4, 77, 5, 19, 200, 31, 6, 42]]
+    runs = []
+    for kernels in (True, False):
+        with contextlib.nullcontext() if kernels else torch_path():
+            engine = PagedEngine(bf16_model, num_blocks=16, block_size=16)
+            seqs = [engine.add(p) for p in prompts]
+            logits = [engine.step([(s, len(s.token_ids)) for s in seqs])]
+            for _ in range(6):
+                for seq, token in zip(seqs, logits[-1].argmax(-1).tolist()):
+                    seq.token_ids.append(token)
+                logits.append(engine.step([(s, 1) for s in seqs]))
+            runs.append(([s.token_ids for s in seqs], torch.stack(logits).float()))
+    (tokens, logits), (want_tokens, want_logits) = runs
+    assert tokens == want_tokens
+    # (Bit-identical when measured; four bf16 steps of the largest logit allowed.)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=2**-5 * float(want_logits.abs().max()))
