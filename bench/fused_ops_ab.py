@@ -1,14 +1,17 @@
-"""Decode steps with bfloat16 activations, the native bf16 fused ops on and off, interleaved in one process.
+"""Decode steps of a bfloat16 model, the native bf16 kernels on and off, interleaved in one process.
 
     .venv/bin/python -m bench.fused_ops_ab [--rounds 5] [--num-threads 2] [--batch-sizes 1,16,64]
-        [--context 512] [--profile]
+        [--context 512] [--cpu-gemm torch|auto] [--profile]
 
 A bfloat16 model keeps bfloat16 activations where it is not widened to
 float32 arithmetic (weight_packing.widen_bf16): here with --cpu-gemm torch,
 torch's own bf16 GEMM (emulated on CPUs without AVX512-BF16). Its norms,
-rope and SwiGLU gate then run through native/fused_ops_bf16.c, or, with the
+rope, SwiGLU gate and KV writes then run through native/fused_ops_bf16.c, or, with the
 kernels switched off (fused_ops reporting no bf16 library, as before they
-existed), through the model's plain-torch code. One executor, the same rows
+existed), through the model's plain-torch code. With --cpu-gemm auto the
+model is widened instead (float32 activations, the default on CPU), and
+what the switch changes is the KV write only: float32 K/V rounded into the
+bf16 cache natively or by torch. One executor, the same rows
 as bench.forward_sweep's batch sweep; each round times 2 steps per setting
 and row, the order alternating round by round so that load from other
 processes falls on both alike. Prints the median step and forward times of
@@ -54,16 +57,18 @@ def main(argv=None) -> None:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--cpu-gemm", choices=("torch", "auto"), default="torch", help="torch: bf16 activations")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables instead of timings")
     a = p.parse_args(argv)
     configure_logging("warning", False)
     torch.set_num_threads(a.num_threads)
     rows = [dict(sweep="batch", batch=int(b), context=a.context, new=1) for b in a.batch_sizes.split(",")]
     gib = kv_gib_needed(open_checkpoint(None)[0].config, torch.bfloat16, rows)
-    worker = Worker(ExecutorConfig(kv_cache_gib=gib, num_threads=a.num_threads, dtype="bfloat16", cpu_gemm="torch"))
+    worker = Worker(ExecutorConfig(kv_cache_gib=gib, num_threads=a.num_threads, dtype="bfloat16", cpu_gemm=a.cpu_gemm))
     batch = max(r["batch"] for r in rows)
     worker.configure(block_size=BLOCK_SIZE, max_num_batched_tokens=batch, max_num_seqs=batch)
-    assert worker.model.compute_dtype == torch.bfloat16, "the model was widened: no bf16 activations to measure"
+    widened = worker.model.compute_dtype == torch.float32
+    assert widened == (a.cpu_gemm == "auto"), f"--cpu-gemm {a.cpu_gemm} gave {worker.model.compute_dtype} activations"
     timed = worker.runner.model = TimedModel(worker.runner.model)
     kernels = fused_ops._LIBRARIES[torch.bfloat16]
     assert kernels() is not None, "no native bf16 kernels here (needs AVX-512 and a C compiler)"

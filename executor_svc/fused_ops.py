@@ -2,7 +2,7 @@
 the sampler's row argmax, each in one native pass, for CPU tensors: float32
 (native/fused_ops.c) and, all but the argmax, bfloat16 (native/fused_ops_bf16.c,
 which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
-the KV-cache write for bfloat16.
+the write of new K/V rows into a bfloat16 cache.
 
 `available(*tensors)` says whether an op's tensors can take the native path;
 the model falls back to plain torch otherwise (CUDA, mixed dtypes, no C
@@ -146,8 +146,9 @@ def write_kv_bf16(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """k_cache/v_cache [blocks, block_size, kv_heads, dim] bfloat16: token t's
-    key/value [tokens, kv_heads, dim] (views with unit-stride heads, as the
-    heads of a fused qkv row) into slot slots[t] (int64), as
+    key/value [tokens, kv_heads, dim] (bfloat16 or float32, rounded as
+    .to(torch.bfloat16) rounds; views with unit-stride heads, as the heads of
+    a fused qkv row) into slot slots[t] (int64), as
     TorchAttentionBackend.write_kv's index_copy_ does. IndexError for a slot
     outside the cache, before anything is written."""
     tokens, heads, dim = key.shape
@@ -155,7 +156,9 @@ def write_kv_bf16(
         f"key {tuple(key.shape)} {key.stride()}, value {tuple(value.shape)} {value.stride()}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape, "KV caches"
-    assert k_cache.shape[2:] == (heads, dim) and available(key, value, k_cache, v_cache) and key.dtype == torch.bfloat16
+    assert k_cache.shape[2:] == (heads, dim) and available(k_cache, v_cache) and available(key, value), (
+        f"KV {key.dtype} {key.device} into {k_cache.dtype} {k_cache.device}"
+    )
     assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,), f"slots {slots.shape}"
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     status = _LIBRARIES[torch.bfloat16]().kv_write_bf16(
@@ -168,6 +171,7 @@ def write_kv_bf16(
         value.data_ptr(),
         value.stride(0),
         value.stride(1),
+        int(key.dtype == torch.float32),
         slots.data_ptr(),
         tokens,
         heads,

@@ -36,8 +36,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
         "int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,"
         " int num_threads)",
-        "int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const uint16_t *k,"
-        " int64_t ld_k_tok, int64_t ld_k_head, const uint16_t *v, int64_t ld_v_tok, int64_t ld_v_head,"
+        "int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,"
+        " int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,"
         " const int64_t *slots, int tokens, int heads, int dim)",
     ),
     "native/packed_gemm.c": (

@@ -187,26 +187,31 @@ def test_a_row_is_the_same_alone_or_in_a_batch_at_any_thread_count():
             assert torch.equal(bits(got), bits(first)) and torch.equal(bits(got[7:8]), bits(one))
 
 
-def test_kv_write_stores_the_rows_torchs_index_copy_stores(monkeypatch):
-    """Through the CPU backend, from the k and v heads of a fused qkv row into
-    scattered slots, bit for bit as the torch backend's write; a slot outside
-    the cache raises before anything is written."""
+@pytest.mark.parametrize("source", [BF16, torch.float32], ids=["bf16", "float32"])
+def test_kv_write_stores_the_rows_torchs_index_copy_stores(source, monkeypatch):
+    """Through the CPU backend, from the k and v heads of a fused qkv row
+    (bfloat16, or float32 rounded on the way: ties, a head_dim of 40 with its
+    8-lane tail) into scattered slots of a bfloat16 cache, bit for bit as the
+    torch backend's write; a slot outside the cache raises before anything is
+    written."""
     from executor_svc.attention import get_backend
 
     native = fused_ops.write_kv_bf16
     calls = []
     monkeypatch.setattr(fused_ops, "write_kv_bf16", lambda *args: calls.append(args) or native(*args))
-    qkv = bf16_randn(5, 9 + 2 * 3, 64, seed=12)  # 9 q heads, 3 k heads, 3 v heads
-    key, value = qkv[:, 9:12], qkv[:, 12:]
+    qkv = torch.randn(5, 9 + 2 * 3, 40, generator=torch.Generator().manual_seed(12)).to(source)
+    qkv[0, 9, :4] = torch.tensor([1 + 2**-8, 1 + 2**-7 + 2**-8, -(1 + 2**-8), 2**-130])  # ties, a subnormal
+    key, value = qkv[:, 9:12], qkv[:, 12:]  # 9 q heads, 3 k heads, 3 v heads
     slots = torch.tensor([17, 3, 40, 41, 0])
-    caches = [torch.full((4, 16, 3, 64), float("nan"), dtype=BF16) for _ in range(4)]
+    caches = [torch.full((4, 16, 3, 40), float("nan"), dtype=BF16) for _ in range(4)]
     meta = types.SimpleNamespace(slot_mapping=slots)  # all write_kv reads of the step's metadata
     get_backend("cpu").write_kv(key, value, caches[0], caches[1], meta)
     assert len(calls) == 1
     with torch_path():
         get_backend("torch").write_kv(key, value, caches[2], caches[3], meta)
     assert torch.equal(bits(caches[0]), bits(caches[2])) and torch.equal(bits(caches[1]), bits(caches[3]))
-    assert torch.equal(bits(caches[0].view(-1, 3, 64)[40]), bits(key[2]))
+    assert torch.equal(bits(caches[0].view(-1, 3, 40)[40]), bits(key[2].to(BF16)))
+    assert caches[0].view(-1, 3, 40)[17, 0, :2].tolist() == [1.0, 1 + 2**-6]  # ties to even
     before = caches[0].clone()
     with pytest.raises(IndexError):
         native(key, value, caches[0], caches[1], torch.tensor([1, 2, 3, 4, 64]))

@@ -78,11 +78,14 @@ class CpuAttentionBackend:
         self._prefills = TorchAttentionBackend(handle_decodes=False)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        """bfloat16 K/V into a bfloat16 cache: one native copy for both (no
-        operator calls per layer); anything else through torch's index_copy_."""
+        """K/V (bfloat16, or float32 from a widened model or float32 weights)
+        into a bfloat16 cache: one native pass for both, rounding float32 as
+        torch's .to() does, instead of up to four operator calls a layer;
+        a float32 cache through torch's index_copy_."""
         if (
-            key.dtype == torch.bfloat16
-            and fused_ops.available(key, value, k_cache, v_cache)
+            k_cache.dtype == torch.bfloat16
+            and fused_ops.available(k_cache, v_cache)
+            and fused_ops.available(key, value)
             and key.stride(2) == value.stride(2) == 1
         ):
             fused_ops.write_kv_bf16(key, value, k_cache, v_cache, meta.slot_mapping)

@@ -1,7 +1,7 @@
 /* The elementwise steps of a decoder layer for bfloat16 activations, each one
  * pass over bfloat16 rows: the residual add with RMSNorm, rotary embedding
- * and the SwiGLU gate (fused_ops.c has the float32 ones); and the KV-cache
- * write, a plain copy.
+ * and the SwiGLU gate (fused_ops.c has the float32 ones); and the write of
+ * new K/V rows into a bfloat16 cache, from bfloat16 or float32 activations.
  *
  * torch runs each as several kernels, and every bf16 op among them converts
  * its inputs to float32 and its result back (RMSNorm: a float32 copy, square,
@@ -137,26 +137,53 @@ int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_
 #endif
 }
 
+/* One row of n values into the bf16 cache: copied from bf16, or rounded
+ * from float32 as torch's .to(torch.bfloat16) rounds (AVX-512 builds only;
+ * kv_write_bf16 refuses float32 sources elsewhere). */
+static void row_to_bf16(uint16_t *dst, const void *src, int n, int src_f32)
+{
+    if (!src_f32) {
+        memcpy(dst, src, (size_t)n * sizeof(uint16_t));
+        return;
+    }
+#ifdef __AVX512F__
+    const float *f = src;
+    for (int i = 0; i < n; i += 16) {
+        const int left = n - i;
+        const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        bf16_store_n(dst + i, _mm512_maskz_loadu_ps(m, f + i), left);
+    }
+#endif
+}
+
 /* The KV-cache write: k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t],
  * each a row of heads x dim values (contiguous in the cache; k and v may be
- * strided views, the k and v heads of a fused qkv row). Plain copies, no
- * arithmetic, on one thread: a step's new K/V rows are a few hundred KB at
- * most, where torch's index_copy_ costs two operator calls a layer. Returns
- * -2, writing nothing, if a slot lies outside [0, num_slots). Needs no
- * AVX-512, but is only called where the kernels above run. */
-int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const uint16_t *k, int64_t ld_k_tok,
-                  int64_t ld_k_head, const uint16_t *v, int64_t ld_v_tok, int64_t ld_v_head, const int64_t *slots,
-                  int tokens, int heads, int dim)
+ * strided views, the k and v heads of a fused qkv row; strides in elements).
+ * k and v are bfloat16 (plain copies) or, with src_f32, float32 rounded to
+ * bfloat16 on the way: a widened bf16 model's float32 activations into its
+ * bf16 cache, where torch converts in one more operator call each. One
+ * thread: a step's new K/V rows are a few hundred KB at most, where torch's
+ * index_copy_ costs two operator calls a layer. Returns -2, writing nothing,
+ * if a slot lies outside [0, num_slots); -1 for a float32 source in a build
+ * without AVX-512. */
+int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k, int64_t ld_k_tok,
+                  int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,
+                  const int64_t *slots, int tokens, int heads, int dim)
 {
+#ifndef __AVX512F__
+    if (src_f32)
+        return -1;
+#endif
     for (int t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots)
             return -2;
-    const size_t row = (size_t)dim * sizeof(uint16_t);
+    const int64_t size = src_f32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    const char *kb = k, *vb = v;
     for (int t = 0; t < tokens; t++) {
         uint16_t *kc = k_cache + slots[t] * heads * dim, *vc = v_cache + slots[t] * heads * dim;
         for (int h = 0; h < heads; h++) {
-            memcpy(kc + h * dim, k + t * ld_k_tok + h * ld_k_head, row);
-            memcpy(vc + h * dim, v + t * ld_v_tok + h * ld_v_head, row);
+            row_to_bf16(kc + h * dim, kb + (t * ld_k_tok + h * ld_k_head) * size, dim, src_f32);
+            row_to_bf16(vc + h * dim, vb + (t * ld_v_tok + h * ld_v_head) * size, dim, src_f32);
         }
     }
     return 0;
