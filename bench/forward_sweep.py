@@ -105,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
         "--cpu-gemm",
         default="auto",
         choices=("auto", "native", "torch"),
-        help="the executor's --cpu-gemm (native: packed AVX-512 kernel; torch: MKL)",
+        help="the executor's --cpu-gemm, for every dtype (native: packed AVX-512 kernel; torch: MKL, and for "
+        "bfloat16 torch's own bf16 GEMM with bfloat16 activations)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
@@ -224,7 +225,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             dtype=dtype_name,
             kv_cache_gib=gib,
             num_threads=args.num_threads,
-            cpu_gemm=args.cpu_gemm if dtype_name == "float32" else "auto",
+            cpu_gemm=args.cpu_gemm,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]

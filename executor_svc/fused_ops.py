@@ -1,9 +1,12 @@
 """RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
-the sampler's row argmax, each in one native pass (native/fused_ops.c), for
-float32 tensors on CPU.
+the sampler's row argmax, each in one native pass, for CPU tensors: float32
+(native/fused_ops.c) and, all but the argmax, bfloat16 (native/fused_ops_bf16.c,
+which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
+the write of new K/V rows into a bfloat16 cache.
 
-`available(x)` says whether a tensor can take the native path; the model
-falls back to plain torch otherwise (CUDA, bfloat16, no C compiler).
+`available(*tensors)` says whether an op's tensors can take the native path;
+the model falls back to plain torch otherwise (CUDA, mixed dtypes, no C
+compiler, bfloat16 without AVX-512).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "fused_ops.c")
+BF16_SOURCE = os.path.join(os.path.dirname(__file__), "native", "fused_ops_bf16.c")
 
 
 @lru_cache(maxsize=1)
@@ -25,8 +29,32 @@ def _lib() -> ctypes.CDLL | None:
     return load_library(SOURCE)
 
 
-def available(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _lib() is not None
+@lru_cache(maxsize=1)
+def _bf16_lib() -> ctypes.CDLL | None:
+    """The bfloat16 kernels; None without a compiler or where the build has no
+    AVX-512 path (they return -1 then: a call over zero rows asks)."""
+    lib = load_library(BF16_SOURCE)
+    return lib if lib is not None and lib.silu_mul_bf16(None, 0, None, 0, 0, 0, 1) == 0 else None
+
+
+# Each dtype's library; every lookup goes through this table (tests and
+# bench.fused_ops_ab switch the bf16 kernels off by replacing an entry).
+_LIBRARIES = {torch.float32: _lib, torch.bfloat16: _bf16_lib}
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """Whether an op over `tensors` (its inputs: all on CPU, of one dtype) has a native kernel here."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in _LIBRARIES
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and _LIBRARIES[dtype]() is not None
+    )
+
+
+def _ran(status: int | None) -> None:
+    """A void float32 kernel gives None; a bfloat16 one 0, or -1 without its vector path."""
+    assert status in (None, 0), "a bfloat16 kernel without its AVX-512 path was called (available() says no)"
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -43,18 +71,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta in place (the residual add), then returns rms_norm(h): one pass.
     h must be contiguous (it is updated where it lies)."""
-    assert h.is_contiguous() and h.dim() == 2 and delta.shape == h.shape and available(delta), (
+    assert h.is_contiguous() and h.dim() == 2 and delta.shape == h.shape and available(h, delta), (
         f"add_rms_norm: h {tuple(h.shape)} {h.stride()}, delta {tuple(delta.shape)} {delta.dtype} {delta.device}"
     )
     return _rms_norm(h, _rows(delta), weight, eps)
 
 
 def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    assert weight.is_contiguous() and weight.shape == (x.shape[1],), (
-        f"weight {tuple(weight.shape)} for {tuple(x.shape)}"
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (
+        f"weight {tuple(weight.shape)} {weight.dtype} for {tuple(x.shape)} {x.dtype}"
     )
-    out = torch.empty(x.shape, dtype=torch.float32)
-    _lib().rms_norm_f32(
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib = _LIBRARIES[x.dtype]()
+    status = (lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32)(
         out.data_ptr(),
         out.stride(0),
         x.data_ptr(),
@@ -67,6 +96,7 @@ def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
         eps,
         torch.get_num_threads(),
     )
+    _ran(status)
     return out
 
 
@@ -79,7 +109,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     assert (
         cos.shape == sin_signed.shape == (tokens, dim) and cos.stride() == sin_signed.stride() and cos.stride(1) == 1
     ), f"cos/sin {tuple(cos.shape)} {cos.stride()} for x {tuple(x.shape)}"
-    _lib().rope_f32(
+    assert cos.dtype == sin_signed.dtype == x.dtype, f"cos/sin {cos.dtype} for x {x.dtype}"
+    lib = _LIBRARIES[x.dtype]()
+    status = (lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32)(
         x.data_ptr(),
         x.stride(0),
         x.stride(1),
@@ -91,6 +123,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
         dim,
         torch.get_num_threads(),
     )
+    _ran(status)
     return x
 
 
@@ -100,17 +133,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     gate_up = _rows(gate_up)
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.float32)
-    status = _lib().silu_mul_f32(
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    lib = _LIBRARIES[gate_up.dtype]()
+    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    status = kernel(
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
     )
     return out if status == 0 else None
 
 
+def write_kv_bf16(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k_cache/v_cache [blocks, block_size, kv_heads, dim] bfloat16: token t's
+    key/value [tokens, kv_heads, dim] (bfloat16 or float32, rounded as
+    .to(torch.bfloat16) rounds; views with unit-stride heads, as the heads of
+    a fused qkv row) into slot slots[t] (int64), as
+    TorchAttentionBackend.write_kv's index_copy_ does. IndexError for a slot
+    outside the cache, before anything is written."""
+    tokens, heads, dim = key.shape
+    assert value.shape == key.shape and key.stride(2) == value.stride(2) == 1, (
+        f"key {tuple(key.shape)} {key.stride()}, value {tuple(value.shape)} {value.stride()}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape, "KV caches"
+    assert k_cache.shape[2:] == (heads, dim) and available(k_cache, v_cache) and available(key, value), (
+        f"KV {key.dtype} {key.device} into {k_cache.dtype} {k_cache.device}"
+    )
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,), f"slots {slots.shape}"
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = _LIBRARIES[torch.bfloat16]().kv_write_bf16(
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_slots,
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        int(key.dtype == torch.float32),
+        slots.data_ptr(),
+        tokens,
+        heads,
+        dim,
+    )
+    if status == -2:
+        raise IndexError(f"a KV slot outside the cache's {num_slots}: {slots.tolist()}")
+    _ran(status)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """[rows, cols] -> int64 [rows], each row's first largest index, or its
+    """[rows, cols] float32 -> int64 [rows], each row's first largest index, or its
     first NaN's (as torch.argmax); None where the native build has no vector
     path (no AVX-512)."""
+    assert x.dtype == torch.float32, f"argmax_rows reads float32 logits, got {x.dtype}"
     x = _rows(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     status = _lib().argmax_rows_f32(

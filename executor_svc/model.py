@@ -23,7 +23,10 @@ token: RMSNorm normalises in float32 and rounds before the weight multiply,
 rotary uses the "rotate_half" layout with cos/sin computed in float32, and
 logits are computed in the model dtype before the cast to float32. (A
 bfloat16 model widened for CPUs without bf16 arithmetic, `weight_packing.widen_bf16`,
-computes in float32 over its bfloat16 weights instead.)
+computes in float32 over its bfloat16 weights instead.) The native bfloat16
+norm, rope and gate (fused_ops.py) round to bfloat16 wherever the plain-torch
+code below does, so a bf16 model gets the same values either way, up to one
+bf16 step where a sum or an exp is computed in another order.
 
 This file is the architecture only. The native CPU GEMM's packed copies of
 the weights are made after loading, by weight_packing.py, into the slots the
@@ -104,8 +107,8 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if fused_ops.available(x):
-        return fused_ops.rms_norm(x, weight, eps)  # one pass instead of five kernels
+    if fused_ops.available(x, weight):
+        return fused_ops.rms_norm(x, weight, eps)  # one pass instead of five (bf16: eight) kernels
     if x.dtype == torch.float32:
         # The fused kernel matches the reference formula bit for bit in float32.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -119,7 +122,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """The residual add, in place (h += delta; nothing when delta is None), then rms_norm(h)."""
     if delta is None:
         return rms_norm(h, weight, eps)
-    if fused_ops.available(h) and fused_ops.available(delta) and h.is_contiguous():
+    if fused_ops.available(h, delta, weight) and h.is_contiguous():
         return fused_ops.add_rms_norm(h, delta, weight, eps)  # one pass over h and delta
     h += delta
     return rms_norm(h, weight, eps)
@@ -177,9 +180,9 @@ def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] (may be a strided view); cos/sin_signed [T, D].
 
-    On float32 CPU tensors x is rotated in place (one native pass) and
-    returned; elsewhere a rotated copy is returned."""
-    if fused_ops.available(x):
+    On float32 or bfloat16 CPU tensors x is rotated in place (one native
+    pass) and returned; elsewhere a rotated copy is returned."""
+    if fused_ops.available(x, cos, sin_signed):
         return fused_ops.rope_(x, cos, sin_signed)
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)

@@ -29,6 +29,17 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int num_threads)",
         "int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)",
     ),
+    "native/fused_ops_bf16.c": (
+        "int rms_norm_bf16(uint16_t *out, int64_t ld_out, uint16_t *x, int64_t ld_x, const uint16_t *delta,"
+        " int64_t ld_delta, const uint16_t *w, int rows, int dim, float eps, int num_threads)",
+        "int rope_bf16(uint16_t *x, int64_t ld_tok, int64_t ld_head, const uint16_t *cos, const uint16_t *sin_signed,"
+        " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
+        "int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,"
+        " int num_threads)",
+        "int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,"
+        " int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,"
+        " const int64_t *slots, int tokens, int heads, int dim)",
+    ),
     "native/packed_gemm.c": (
         "int packed_gemm_panel_width(void)",
         "int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float *packed, const float *bias,"

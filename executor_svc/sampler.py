@@ -363,7 +363,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first largest index (or first NaN's), as torch.argmax: native
     on float32 CPU (torch's argmax over a row of logits is ~9x slower than its
     max), torch elsewhere."""
-    if x.dim() == 2 and fused_ops.available(x):
+    if x.dim() == 2 and x.dtype == torch.float32 and fused_ops.available(x):
         tokens = fused_ops.argmax_rows(x)
         if tokens is not None:
             return tokens

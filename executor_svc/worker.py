@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from executor_svc import onednn_linear, packed_linear
+from executor_svc import fused_ops, onednn_linear, packed_linear
 from executor_svc.attention import get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -164,11 +164,32 @@ class Worker:
             batch_invariant=config.deterministic,
         )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self._log_elementwise_paths()
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap
         self.runner: ModelRunner | None = None
         self._sized_for: tuple[int, ...] = ()  # what the KV cache was sized for
         self._info: HandshakeInfo | None = None
+
+    def _log_elementwise_paths(self) -> None:
+        """Says at start-up whether the fused ops (norms, rope, gate; the float32
+        gate also needs AVX-512) run natively for this model's activations
+        (float32, or bfloat16 where not widened) and whether new K/V rows reach
+        a bf16 cache through the native write."""
+        activations = self.model.compute_dtype
+        native = self.device.type == "cpu" and fused_ops.available(torch.empty(0, dtype=activations))
+        kv_native = (
+            native
+            and self.attn_backend.name == "cpu"
+            and self.kv_dtype == torch.bfloat16
+            and fused_ops.available(torch.empty(0, dtype=torch.bfloat16))
+        )
+        log.info(
+            "elementwise_ops",
+            activations=str(activations).removeprefix("torch."),
+            fused_ops="native" if native else "torch",
+            bf16_kv_write="native" if kv_native else "torch" if self.kv_dtype == torch.bfloat16 else "n/a",
+        )
 
     @property
     def configured(self) -> bool:

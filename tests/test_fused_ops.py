@@ -1,6 +1,6 @@
 """The fused native RMSNorm, rotary embedding and SwiGLU gate
-(executor_svc/fused_ops.py) against the model's plain-torch versions,
-computed in float64."""
+(executor_svc/fused_ops.py) in float32 against the model's plain-torch
+versions, computed in float64 (bfloat16: tests/test_fused_ops_bf16.py)."""
 
 from __future__ import annotations
 
@@ -117,9 +117,9 @@ def test_silu_mul_reads_row_strided_input():
     )
 
 
-def test_available_only_for_float32_cpu():
+def test_available_for_float32_cpu_not_float16():
     assert fused_ops.available(torch.zeros(2))
-    assert not fused_ops.available(torch.zeros(2, dtype=torch.bfloat16))
+    assert not fused_ops.available(torch.zeros(2, dtype=torch.float16))  # bfloat16: tests/test_fused_ops_bf16.py
 
 
 needs_vector_argmax = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the native argmax needs AVX-512")

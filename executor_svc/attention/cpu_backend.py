@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import fused_ops
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
@@ -75,7 +76,21 @@ class CpuAttentionBackend:
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
-        self.write_kv = self._prefills.write_kv
+
+    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        """K/V (bfloat16, or float32 from a widened model or float32 weights)
+        into a bfloat16 cache: one native pass for both, rounding float32 as
+        torch's .to() does, instead of up to four operator calls a layer;
+        a float32 cache through torch's index_copy_."""
+        if (
+            k_cache.dtype == torch.bfloat16
+            and fused_ops.available(k_cache, v_cache)
+            and fused_ops.available(key, value)
+            and key.stride(2) == value.stride(2) == 1
+        ):
+            fused_ops.write_kv_bf16(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self._prefills.write_kv(key, value, k_cache, v_cache, meta)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)
