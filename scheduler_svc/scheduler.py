@@ -36,13 +36,14 @@ requests the executor has already dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, RequestOutput, RequestStatus
 from scheduler_svc.scheduler_config import SchedulerConfig
+from scheduler_svc.step_draft import StepDraft
 from scheduler_svc.waiting_queue import WaitingQueue
-from shared.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from shared.step_plan import StepPlan, StepResult
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -58,66 +59,6 @@ class SchedulerStats:
     prefix_cache_hits_tokens: int
     num_preemptions: int
     num_steps: int
-
-
-@dataclass
-class _Draft:
-    """The plan being drawn up in one schedule() call.
-
-    A request counts as computed as soon as it is added (the plan carries
-    its count from before), so the next schedule() sees the step as done.
-    """
-
-    budget: int  # tokens left this step
-    cached: CachedRequestData = field(default_factory=CachedRequestData)  # running requests
-    new_requests: list[NewRequestData] = field(default_factory=list)  # admitted this step
-    scheduled: list[Request] = field(default_factory=list)  # both of the above
-
-    def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
-        cached = self.cached
-        cached.request_ids.append(request.request_id)
-        cached.new_block_ids.append(new_block_ids)
-        cached.num_computed_tokens.append(request.num_computed_tokens)
-        cached.num_scheduled_tokens.append(num_tokens)
-        request.num_computed_tokens += num_tokens
-        self.budget -= num_tokens
-        self.scheduled.append(request)
-
-    def add_admitted(self, request: Request, num_tokens: int) -> None:
-        self.new_requests.append(
-            NewRequestData(
-                request_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling=request.sampling,
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-                num_scheduled_tokens=num_tokens,
-            )
-        )
-        request.num_computed_tokens += num_tokens
-        self.budget -= num_tokens
-        self.scheduled.append(request)
-
-    def undo(self, request: Request) -> bool:
-        """Takes a running request back out (it is being preempted); False if it was not in."""
-        cached = self.cached
-        if request.request_id not in cached.request_ids:  # O(n), preemptions only
-            return False
-        i = cached.request_ids.index(request.request_id)
-        num_tokens = cached.num_scheduled_tokens[i]
-        del cached.request_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i]
-        del cached.num_scheduled_tokens[i]
-        request.num_computed_tokens -= num_tokens
-        self.budget += num_tokens
-        self.scheduled.remove(request)
-        return True
-
-    def count_samples(self) -> None:
-        """The plan is final: a request whose tokens it computes to the end will get a sample."""
-        for request in self.scheduled:
-            if request.num_computed_tokens == request.num_planned_tokens:
-                request.num_pending_samples += 1
 
 
 class Scheduler:
@@ -199,7 +140,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plans the next step; scheduled requests count as computed from here on."""
         self._step_id += 1
-        draft = _Draft(budget=self.config.max_num_batched_tokens)
+        draft = StepDraft(budget=self.config.max_num_batched_tokens)
         if not self._schedule_running(draft):
             self._schedule_waiting(draft)  # not after a preemption: memory is short
         draft.count_samples()
@@ -208,7 +149,7 @@ class Scheduler:
             new_requests=draft.new_requests,
             cached_requests=draft.cached,
             last_result_step_id=self._last_result_step_id,
-            allowed_token_masks=_masks(draft.scheduled),
+            allowed_token_masks=draft.allowed_token_masks(),
         )
         # A plan that schedules nothing need not be sent; the ids and cache entries wait for the next one.
         if plan.num_requests:
@@ -219,7 +160,7 @@ class Scheduler:
                 self._cached_in_step[plan.step_id] = newly_cached
         return plan
 
-    def _schedule_running(self, draft: _Draft) -> bool:
+    def _schedule_running(self, draft: StepDraft) -> bool:
         """Gives running requests their tokens, in order, preempting when blocks run out.
 
         Returns whether anyone was preempted.
@@ -262,7 +203,7 @@ class Scheduler:
             i += 1
         return preempted
 
-    def _schedule_waiting(self, draft: _Draft) -> None:
+    def _schedule_waiting(self, draft: StepDraft) -> None:
         """Admits waiting requests by (priority, arrival) while budget, seats and memory last."""
         cfg = self.config
         kv = self.kv_cache_manager
@@ -478,18 +419,6 @@ def _kv_cache_manager(config: SchedulerConfig) -> KVCacheManager:
         watermark_blocks=config.watermark_blocks(config.num_blocks),
         hash_algo=config.hash_algo,
     )
-
-
-def _masks(scheduled: list[Request]) -> dict[str, bytes]:
-    """Allowed-token masks of the constrained requests this plan samples (after count_samples)."""
-    masks = {}
-    for request in scheduled:
-        if request.grammar is not None and request.num_pending_samples:
-            assert request.num_pending_samples == 1 and request.grammar.num_tokens == request.num_output_tokens, (
-                f"{request.request_id!r}: constrained request planned out of lockstep"
-            )
-            masks[request.request_id] = request.grammar.bitmask()
-    return masks
 
 
 def _victim_key(request: Request) -> tuple[int, float]:
