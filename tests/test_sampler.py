@@ -14,13 +14,8 @@ import pytest
 import torch
 
 import executor_svc.sampler as sampler_module
-from executor_svc.sampler import (
-    Sampler,
-    apply_min_tokens_and_penalties,
-    build_sampling_metadata,
-    seeded_uniform,
-    vocab_keys,
-)
+from executor_svc.sampler import Sampler, apply_min_tokens_and_penalties, build_sampling_metadata
+from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.sampling_params import SamplingParams
 
 # Distinct probabilities, deliberately not in token order, so sorted rank != id.

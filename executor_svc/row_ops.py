@@ -1,0 +1,44 @@
+"""The sampler's row reductions, swappable for batch invariance (--deterministic, docs/determinism.md).
+
+The only sums over a row the sampler computes are log_softmax, logsumexp and
+cumsum. torch's are per row on CPU; on CUDA they are not (logsumexp's
+reduction and a single row's cumsum split differently by the row count), so
+--deterministic there uses `RowOps.triton()`, whose kernels sum each row in one
+fixed order, and reports the top logprobs by a stable sort (equal logprobs by
+token id) instead of topk, whose order among ties depends on its algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def _top_by_topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    top = x.topk(n, dim=-1)
+    return top.values, top.indices
+
+
+def _top_by_stable_sort(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest per row, equal values in token-id order: one answer, whatever the algorithm."""
+    values, indices = x.sort(dim=-1, descending=True, stable=True)
+    return values[:, :n], indices[:, :n]
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """The sampler's reductions over each row of a float32 [rows, V] tensor."""
+
+    log_softmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.log_softmax(dim=-1)
+    logsumexp: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
+    cumsum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.cumsum(dim=-1)
+    top: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _top_by_topk  # (values, ids) [rows, n]
+
+    @staticmethod
+    def triton() -> RowOps:
+        """Batch-invariant on CUDA (triton_invariant/rows.py); imports triton."""
+        from executor_svc.triton_invariant import rows
+
+        return RowOps(rows.log_softmax, rows.logsumexp, rows.cumsum, _top_by_stable_sort)
