@@ -21,3 +21,14 @@ def is_loopback(address: str) -> bool:
         return True
     host = address.rpartition(":")[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def join_host_port(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def local_address(address: str) -> str:
+    """An address this machine can connect to, for one a server binds ("0.0.0.0:9" -> "127.0.0.1:9")."""
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") else address
