@@ -129,7 +129,7 @@ def check_linear(rep: Report, dtype, shapes, rounds: int) -> None:
 
 
 def check_rms_norm(rep: Report, dtype, rounds: int) -> None:
-    from executor_svc.model import add_rms_norm as torch_add_rms_norm
+    from executor_svc.layer_ops import add_rms_norm as torch_add_rms_norm
     from executor_svc.triton_invariant import rms_norm
 
     gen = torch.Generator(device=DEVICE).manual_seed(1)

@@ -19,20 +19,20 @@ a layer takes the residual stream h and the previous layer's last output
 `delta`, and returns them as (h, delta) for the next layer to add.
 
 Numerics follow transformers' Llama so greedy outputs match it token for
-token: RMSNorm normalises in float32 and rounds before the weight multiply,
-rotary uses the "rotate_half" layout with cos/sin computed in float32, and
+token: RMSNorm normalises in float32 and rounds before the weight multiply
+(layer_ops.py), rotary (rope.py) uses the "rotate_half" layout with cos/sin computed in float32, and
 logits are computed in the model dtype before the cast to float32. (A
 bfloat16 model widened for CPUs without bf16 arithmetic, `weight_packing.widen_bf16`,
 computes in float32 over its bfloat16 weights instead.) The native bfloat16
 norm, rope and gate (fused_ops.py) round to bfloat16 wherever the plain-torch
-code below does, so a bf16 model gets the same values either way, up to one
+code in layer_ops.py and rope.py does, so a bf16 model gets the same values either way, up to one
 bf16 step where a sum or an exp is computed in another order.
 
 This file is the architecture only. The native CPU GEMM's packed copies of
 the weights are made after loading, by weight_packing.py, into the slots the
 model keeps for them (`DecoderLayer.packed`, `_head_packed`, `_tied_head`).
 The linear layers and the norms run through `Kernels` (packed_linear.linear
-and add_rms_norm below by default), which --deterministic on CUDA replaces
+and layer_ops.add_rms_norm by default), which --deterministic on CUDA replaces
 with batch-invariant Triton kernels (triton_invariant/hook.py).
 
 Weights are loaded by `load_weights` from tensors under transformers' names
@@ -55,20 +55,19 @@ vocab-parallel head would save memory for large vocabularies).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import fused_ops
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.layer_ops import Kernels, swiglu
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import PackedWeight, linear
+from executor_svc.packed_linear import PackedWeight
+from executor_svc.rope import apply_rope, rope_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -104,99 +103,6 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
             "each rank must hold whole attention and KV heads (replicating KV heads across ranks is not "
             f"implemented); sizes that fit this model: {', '.join(map(str, fits))}"
         )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if fused_ops.available(x, weight):
-        return fused_ops.rms_norm(x, weight, eps)  # one pass instead of five (bf16: eight) kernels
-    if x.dtype == torch.float32:
-        # The fused kernel matches the reference formula bit for bit in float32.
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # Reduced precision: normalise in float32, round, then scale, as HF does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The residual add, in place (h += delta; nothing when delta is None), then rms_norm(h)."""
-    if delta is None:
-        return rms_norm(h, weight, eps)
-    if fused_ops.available(h, delta, weight) and h.is_contiguous():
-        return fused_ops.add_rms_norm(h, delta, weight, eps)  # one pass over h and delta
-    h += delta
-    return rms_norm(h, weight, eps)
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """The two ops of a forward whose sums run across a row: the linear layers
-    and the LM head (packed_linear.linear's signature), and RMSNorm with its
-    residual add (add_rms_norm's). Attention is the backend's."""
-
-    linear: Callable = linear
-    add_rms_norm: Callable = add_rms_norm
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2], float32, as transformers computes them."""
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    assert scaling["rope_type"] == "llama3", f"ModelConfig let through rope type {scaling['rope_type']!r}"
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, blended, scaled)
-
-
-def rope_cache(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin tables [max_position_embeddings, head_dim].
-
-    With x = [x1 | x2] (halves), rotate_half(x) = [-x2 | x1]. We store
-    sin_signed = [-sin | sin] so rope is x * cos + swap_halves(x) * sin_signed,
-    which rounds exactly like HF's x * cos + rotate_half(x) * sin.
-    """
-    inv_freq = rope_inv_freq(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).to(torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
-    cos_full = torch.cat((cos, cos), dim=-1)
-    sin_signed = torch.cat((-sin, sin), dim=-1)
-    return cos_full.to(device=device, dtype=dtype), sin_signed.to(device=device, dtype=dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (may be a strided view); cos/sin_signed [T, D].
-
-    On float32 or bfloat16 CPU tensors x is rotated in place (one native
-    pass) and returned; elsewhere a rotated copy is returned."""
-    if fused_ops.available(x, cos, sin_signed):
-        return fused_ops.rope_(x, cos, sin_signed)
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + swapped * sin_signed.unsqueeze(1)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 * inter] ([gate | up]) -> silu(gate) * up."""
-    if fused_ops.available(gate_up) and gate_up.dim() == 2:
-        out = fused_ops.silu_mul(gate_up)  # one pass instead of two kernels; None without AVX-512
-        if out is not None:
-            return out
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 # Each fused linear weight of a layer: the checkpoint tensors stacked in its

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from executor_svc import onednn_linear
-from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM, rope_cache
+from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
 from executor_svc.packed_linear import BLOCK_K, PackedWeight, pack, pack_bf16, pack_blocks
+from executor_svc.rope import rope_cache
 
 # GGUFCheckpoint.blocks: (kind, uint8 rows) of a tensor the file keeps in blocks, else None.
 BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]

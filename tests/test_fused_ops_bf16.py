@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc import fused_ops, model
+from executor_svc import fused_ops, layer_ops, rope
 from executor_svc.native_build import cpu_flags
 
 BF16 = torch.bfloat16
@@ -67,14 +67,14 @@ def test_add_rms_norm_is_torchs_bf16_result_and_within_rounding_of_float64(rows,
     h0, w = bf16_randn(rows, dim, seed=dim, scale=3), bf16_randn(dim, seed=dim + 1)
     delta = bf16_randn(rows, dim + 5, seed=rows)[:, :dim]  # row-strided
     h = h0.clone()
-    got = model.add_rms_norm(h, delta, w, 1e-5)
+    got = layer_ops.add_rms_norm(h, delta, w, 1e-5)
     assert torch.equal(bits(h), bits(h0 + delta))
     s = (h0 + delta).double()
     ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     torch.testing.assert_close(got.double(), ref, rtol=RTOL, atol=1e-30)
     with torch_path():
         h_torch = h0.clone()
-        want = model.add_rms_norm(h_torch, delta, w, 1e-5)
+        want = layer_ops.add_rms_norm(h_torch, delta, w, 1e-5)
     assert torch.equal(bits(h_torch), bits(h)) and ulps_apart(got, want) <= 1
 
 
@@ -117,7 +117,7 @@ def test_rope_in_place_is_torchs_bf16_result_on_a_fused_qkv_view(tokens, heads, 
     sin_signed = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(BF16)
     before = qkv.clone()
     with torch_path():
-        want = model.apply_rope(before[:, :heads], cos, sin_signed)  # a rotated copy
+        want = rope.apply_rope(before[:, :heads], cos, sin_signed)  # a rotated copy
     out = fused_ops.rope_(qkv[:, :heads], cos, sin_signed)
     assert out.data_ptr() == qkv.data_ptr()
     assert torch.equal(bits(qkv[:, :heads]), bits(want))
@@ -141,7 +141,7 @@ def reference_silu_mul(gate_up):
 def test_silu_mul_within_rounding_of_float64_and_a_step_of_torch(rows, inter):
     """Widths that are and are not multiples of the 16-lane vector (the tail)."""
     gate_up = bf16_randn(rows, 2 * inter, seed=rows * inter, scale=4)
-    got = model.swiglu(gate_up)
+    got = layer_ops.swiglu(gate_up)
     assert got.dtype == BF16 and got.shape == (rows, inter)
     torch.testing.assert_close(got.double(), reference_silu_mul(gate_up), rtol=RTOL, atol=1e-30)
     gate, up = gate_up.chunk(2, dim=-1)

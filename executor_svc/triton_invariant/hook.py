@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.model import Kernels, LlamaForCausalLM
+from executor_svc.layer_ops import Kernels
+from executor_svc.model import LlamaForCausalLM
 from executor_svc.triton_invariant import matmul, rms_norm
 from executor_svc.triton_invariant.launch import interpreted
 

@@ -8,7 +8,7 @@ BLOCK_D alone: lane j of a BLOCK_D-wide float32 accumulator sums the
 elements j, j + BLOCK_D, ... in turn, then tl.sum folds the lanes in one
 fixed tree.
 
-The rounding steps are model.rms_norm's (transformers' Llama): in float32
+The rounding steps are layer_ops.rms_norm's (transformers' Llama): in float32
 and rounded to the model dtype before the weight multiply, whose product is
 rounded again (on a GPU Triton's sqrt and division may be the fast
 approximate instructions, so the values can differ from torch's in the last
@@ -80,7 +80,7 @@ def _rms_norm_kernel(
 def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, block_d: int | None = None
 ) -> torch.Tensor:
-    """model.add_rms_norm's contract: h += delta in place (nothing when delta is
+    """layer_ops.add_rms_norm's contract: h += delta in place (nothing when delta is
     None), then returns rms_norm(h) as a new tensor; batch-invariant.
     `block_d` overrides the lane count (tests use it to loop in the interpreter)."""
     if h.dim() != 2 or h.stride(1) != 1 or weight.shape != h.shape[1:] or weight.dtype != h.dtype:
