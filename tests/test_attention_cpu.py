@@ -41,16 +41,20 @@ def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim,
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
-@pytest.mark.parametrize("block_size,group", [(16, 3), (8, 8), (32, 1)])
-def test_cpu_backend_bfloat16_matches_reference(block_size, group):
+@pytest.mark.parametrize(
+    "block_size,group,head_dim", [(16, 3, 64), (8, 8, 64), (32, 1, 64), (16, 3, 128), (8, 2, 128), (32, 8, 128)]
+)
+def test_cpu_backend_bfloat16_matches_reference(block_size, group, head_dim):
+    """bfloat16 rows are read 32 values at a time, evens and odds apart
+    (paged_decode.c load32): head_dim 128 covers every pair of vectors."""
     batch = make_batch(
         mixed_shapes(block_size),
         block_size=block_size,
         num_kv_heads=3,
         group=group,
-        head_dim=64,
+        head_dim=head_dim,
         dtype=torch.bfloat16,
-        seed=17 + block_size,
+        seed=17 + block_size + head_dim,
     )
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
