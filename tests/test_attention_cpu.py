@@ -12,7 +12,8 @@ import pytest
 import torch
 from attention_utils import as_fused_qkv_views, assert_matches_reference, mixed_shapes, random_shapes, run_step
 
-from executor_svc.attention import get_backend
+from executor_svc.attention import get_backend, native_kernel
+from executor_svc.attention.cpu_backend import CpuAttentionBackend
 from executor_svc.attention.reference import make_batch
 from executor_svc.attention.torch_backend import TorchAttentionBackend
 
@@ -158,6 +159,33 @@ def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
         seed=22,
     )
     assert_matches_reference(run_step(cpu_backend(), as_fused_qkv_views(batch)), batch)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (32, 2)])
+def test_decode_kernel_reads_bfloat16_queries_and_writes_bfloat16_outputs(portable, head_dim, group):
+    """A bfloat16 model's queries (here strided views of a fused qkv) and
+    outputs go to the decode kernel as they are; its result must be the
+    float32 path's (float32 queries and outputs, rounded by torch after), bit
+    for bit: the kernel widens queries exactly and rounds to nearest even."""
+    batch = make_batch(
+        [(37, 1), (15, 1), (100, 1), (0, 1), (64, 1)],
+        block_size=16,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim + group,
+    )
+    backend = CpuAttentionBackend(native_kernel.load(portable=portable))
+    out = run_step(backend, as_fused_qkv_views(batch))
+    assert out.dtype == torch.bfloat16
+    widened = torch.full(batch.query.shape, float("nan"), dtype=torch.float32)
+    meta = dataclasses.replace(batch.meta, extra={})
+    backend.prepare(meta)
+    backend.forward(batch.query.float(), batch.k_cache, batch.v_cache, meta, batch.scale, out=widened)
+    assert torch.equal(out, widened.to(torch.bfloat16))
+    assert_matches_reference(out, batch)
 
 
 def test_cpu_backend_decodes_only_and_prefills_only():
