@@ -5,7 +5,8 @@
 
 Per context: one layer's decode attention over `--batch` decodes (SmolLM2's
 9 heads / 3 KV heads, head_dim 64, block size 16, blocks scattered), through
-the CPU backend as the model calls it (float32 queries and outputs). GB/s is
+the CPU backend, with queries and outputs in the cache's dtype (a bfloat16
+model's, or float32). GB/s is
 the K and V bytes the call must read over its median time; "of copy" divides
 it by the copy bandwidth measured in the same run: a 512 MiB float32 tensor
 copied by torch on `--threads` threads, counted as bytes read + bytes
@@ -14,15 +15,16 @@ written (STREAM's convention for Copy), median of the rounds.
 Each timed call walks several copies of the cache (at least 256 MiB in all),
 so that its reads come from DRAM as in a model step, not from L3.
 
-`--baseline-commit REV` also builds the decode kernel as it was at REV (its
-executor_svc tree from `git archive`) and times it interleaved with the
-current one, round by round, so before/after ratios share the machine's load.
+`--baseline-commit REV` also builds the decode kernel and CPU backend as
+they were at REV (its executor_svc tree from `git archive`) and times them
+interleaved with the current ones, round by round, so before/after ratios share the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import io
 import statistics
 import subprocess
@@ -56,14 +58,20 @@ def copy_bandwidth(rounds: int) -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def baseline_kernel(rev: str, folder: str):
-    """The decode kernel of commit `rev`, built from its own sources."""
+def baseline_backend(rev: str, folder: str):
+    """The CPU backend and decode kernel of commit `rev`, built from its own
+    sources (the backend module is loaded from there too: it decides how the
+    kernel is called). The kernel is typed from today's signature table, whose
+    parameters are pointers and ints either way."""
     tar = subprocess.run(["git", "archive", rev, "executor_svc"], capture_output=True, check=True).stdout
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(folder)
-    source = Path(folder) / "executor_svc" / "attention" / "native" / "paged_decode.c"
-    lib = load_library(str(source))
+    attention = Path(folder) / "executor_svc" / "attention"
+    lib = load_library(str(attention / "native" / "paged_decode.c"))
     assert lib is not None, f"the decode kernel of {rev} did not build"
-    return bind(lib, "attention/native/paged_decode.c").paged_decode_attention
+    spec = importlib.util.spec_from_file_location("baseline_cpu_backend", attention / "cpu_backend.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CpuAttentionBackend(bind(lib, "attention/native/paged_decode.c").paged_decode_attention)
 
 
 def main(argv=None) -> None:
@@ -76,11 +84,10 @@ def main(argv=None) -> None:
     p.add_argument("--baseline-commit", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    kernels = {"now": native_kernel.load()}
+    backends = {"now": CpuAttentionBackend(native_kernel.load())}
     with tempfile.TemporaryDirectory() as folder:
         if a.baseline_commit:
-            kernels = {"before": baseline_kernel(a.baseline_commit, folder), **kernels}
-        backends = {name: CpuAttentionBackend(k) for name, k in kernels.items()}
+            backends = {"before": baseline_backend(a.baseline_commit, folder), **backends}
         copy = copy_bandwidth(a.rounds)
         print(f"copy bandwidth (read + write, {a.threads} threads): {copy / 1e9:.1f} GB/s")
         for context in (int(c) for c in a.contexts.split(",")):
