@@ -28,6 +28,7 @@ import importlib.util
 import io
 import statistics
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -70,6 +71,7 @@ def baseline_backend(rev: str, folder: str):
     assert lib is not None, f"the decode kernel of {rev} did not build"
     spec = importlib.util.spec_from_file_location("baseline_cpu_backend", attention / "cpu_backend.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.CpuAttentionBackend(bind(lib, "attention/native/paged_decode.c").paged_decode_attention)
 
