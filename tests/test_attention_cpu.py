@@ -46,8 +46,7 @@ def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim,
     "block_size,group,head_dim", [(16, 3, 64), (8, 8, 64), (32, 1, 64), (16, 3, 128), (8, 2, 128), (32, 8, 128)]
 )
 def test_cpu_backend_bfloat16_matches_reference(block_size, group, head_dim):
-    """bfloat16 rows are read 32 values at a time, evens and odds apart
-    (paged_decode.c load32): head_dim 128 covers every pair of vectors."""
+    """bfloat16 caches at both head_dims the AVX-512 decode path serves (4 and 8 vectors a row)."""
     batch = make_batch(
         mixed_shapes(block_size),
         block_size=block_size,

@@ -172,45 +172,12 @@ static int decode_generic(
 #define CHUNK 16 /* tokens scored together: one zmm of scores per head */
 #include "chunk_rows.h"
 
-/* 32 consecutive values of a K/V row from element `first`, as two float32
- * vectors. float32: a = values 0..15, b = 16..31, in place. bfloat16: one
- * 64-byte load, each 32-bit lane holding an (even, odd) pair; a = the even
- * values 0, 2, .., 30 (shifted up), b = the odd ones (low half masked off).
- * Two integer ops on the vector ALUs, where widening 16 at a time
- * (vpmovzxwd) costs a shuffle-port uop each and twice the loads; the
- * callers keep q and the accumulators in the same even/odd order
- * (deinterleave_q, interleave_out). */
-static inline void load32(const void *base, int64_t first, int bf16, __m512 *a, __m512 *b) {
-    if (!bf16) {
-        *a = _mm512_loadu_ps((const float *)base + first);
-        *b = _mm512_loadu_ps((const float *)base + first + 16);
-        return;
-    }
-    const __m512i raw = _mm512_loadu_si512((const void *)((const uint16_t *)base + first));
-    *a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    *b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-/* dst[0..31] = src[0..31] * scale, in load32's order for bfloat16 (evens,
- * then odds). */
-static inline void deinterleave_q(float *dst, const float *src, float scale, int bf16) {
-    for (int i = 0; i < 16; i++) {
-        dst[i] = src[bf16 ? 2 * i : i] * scale;
-        dst[16 + i] = src[bf16 ? 2 * i + 1 : 16 + i] * scale;
-    }
-}
-
-/* The inverse for 32 output values: a holds the even ones, b the odd (bfloat16). */
-static inline void interleave_out(float *dst, __m512 a, __m512 b, int bf16) {
-    if (bf16) {
-        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-        const __m512 x = _mm512_permutex2var_ps(a, lo, b), y = _mm512_permutex2var_ps(a, hi, b);
-        a = x;
-        b = y;
-    }
-    _mm512_storeu_ps(dst, a);
-    _mm512_storeu_ps(dst + 16, b);
+/* 16 consecutive values of a K/V row, widened to float32. */
+static inline __m512 load16(const void *base, int64_t first, int bf16) {
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)base + first);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + first));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 /* Sums each of 16 vectors: out[j] = sum of v[j]'s lanes. A tree of 128- and
@@ -253,7 +220,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     __m512 acc_mem[MAX_ITEM_HEADS][8];
     for (int hh = 0; hh < kv_count * G; hh++) {
         const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
-        for (int d = 0; d < NC * 16; d += 32) deinterleave_q(qs[hh] + d, src + d, scale, bf16);
+        for (int d = 0; d < NC * 16; d++) qs[hh][d] = src[d] * scale;
         for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
         m[hh] = -INFINITY;
         l[hh] = 0.f;
@@ -286,15 +253,12 @@ static inline __attribute__((always_inline)) void decode_heads(
                 __m512 part[CHUNK];
 #pragma GCC unroll 16
                 for (int j = 0; j < CHUNK; j++) part[j] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-                for (int c = 0; c < NC; c += 2) {
-                    const __m512 q0 = _mm512_loadu_ps(qs[hh] + 16 * c), q1 = _mm512_loadu_ps(qs[hh] + 16 * c + 16);
+#pragma GCC unroll 8
+                for (int c = 0; c < NC; c++) {
+                    const __m512 qc = _mm512_loadu_ps(qs[hh] + 16 * c);
 #pragma GCC unroll 16
-                    for (int j = 0; j < CHUNK; j++) {
-                        __m512 k0, k1;
-                        load32(k_cache, rows[j] + off + 16 * c, bf16, &k0, &k1);
-                        part[j] = _mm512_fmadd_ps(q1, k1, _mm512_fmadd_ps(q0, k0, part[j]));
-                    }
+                    for (int j = 0; j < CHUNK; j++)
+                        part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + off + 16 * c, bf16), part[j]);
                 }
                 const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
                 const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[hh] ? s_max : m[hh];
@@ -314,16 +278,11 @@ static inline __attribute__((always_inline)) void decode_heads(
                         _mm_prefetch((const char *)k_cache + (next[j] + off) * esz + b, _MM_HINT_T0);
                         _mm_prefetch((const char *)v_cache + (next[j] + off) * esz + b, _MM_HINT_T0);
                     }
-#pragma GCC unroll 4
-                for (int c = 0; c < NC; c += 2) {
-                    __m512 v0, v1;
-                    load32(v_cache, rows[j] + off + 16 * c, bf16, &v0, &v1);
 #pragma GCC unroll 8
-                    for (int h = 0; h < G; h++) {
-                        const __m512 ph = _mm512_set1_ps(p[h][j]);
-                        acc[h][c] = _mm512_fmadd_ps(ph, v0, acc[h][c]);
-                        acc[h][c + 1] = _mm512_fmadd_ps(ph, v1, acc[h][c + 1]);
-                    }
+                for (int c = 0; c < NC; c++) {
+                    const __m512 v = load16(v_cache, rows[j] + off + 16 * c, bf16);
+#pragma GCC unroll 8
+                    for (int h = 0; h < G; h++) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][j]), v, acc[h][c]);
                 }
             }
 #pragma GCC unroll 8
@@ -338,8 +297,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     for (int hh = 0; hh < kv_count * G; hh++) {
         const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
         float *dst = out + (int64_t)(kv_first * G + hh) * out_head_stride;
-        for (int c = 0; c < NC; c += 2)
-            interleave_out(dst + 16 * c, _mm512_mul_ps(acc_mem[hh][c], inv), _mm512_mul_ps(acc_mem[hh][c + 1], inv), bf16);
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc_mem[hh][c], inv));
     }
 }
 
