@@ -48,9 +48,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " const float *bias, int M, int N, int K, int num_threads)",
     ),
     "attention/native/paged_decode.c": (
-        "int paged_decode_attention(float *out, int64_t out_tok_stride, int64_t out_head_stride,"
-        " const float *q, int64_t q_tok_stride, int64_t q_head_stride,"
-        " const void *k_cache, const void *v_cache, int cache_bf16,"
+        "int paged_decode_attention(void *out, int64_t out_tok_stride, int64_t out_head_stride,"
+        " const void *q, int64_t q_tok_stride, int64_t q_head_stride,"
+        " const void *k_cache, const void *v_cache, int bf16,"
         " const int32_t *block_tables, int64_t block_table_stride,"
         " const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,"
         " int num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,"

@@ -12,7 +12,8 @@ import pytest
 import torch
 from attention_utils import as_fused_qkv_views, assert_matches_reference, mixed_shapes, random_shapes, run_step
 
-from executor_svc.attention import get_backend
+from executor_svc.attention import get_backend, native_kernel
+from executor_svc.attention.cpu_backend import CpuAttentionBackend
 from executor_svc.attention.reference import make_batch
 from executor_svc.attention.torch_backend import TorchAttentionBackend
 
@@ -41,16 +42,19 @@ def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim,
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
-@pytest.mark.parametrize("block_size,group", [(16, 3), (8, 8), (32, 1)])
-def test_cpu_backend_bfloat16_matches_reference(block_size, group):
+@pytest.mark.parametrize(
+    "block_size,group,head_dim", [(16, 3, 64), (8, 8, 64), (32, 1, 64), (16, 3, 128), (8, 2, 128), (32, 8, 128)]
+)
+def test_cpu_backend_bfloat16_matches_reference(block_size, group, head_dim):
+    """bfloat16 caches at both head_dims the AVX-512 decode path serves (4 and 8 vectors a row)."""
     batch = make_batch(
         mixed_shapes(block_size),
         block_size=block_size,
         num_kv_heads=3,
         group=group,
-        head_dim=64,
+        head_dim=head_dim,
         dtype=torch.bfloat16,
-        seed=17 + block_size,
+        seed=17 + block_size + head_dim,
     )
     assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
@@ -154,6 +158,33 @@ def test_cpu_backend_accepts_strided_views_of_a_fused_qkv():
         seed=22,
     )
     assert_matches_reference(run_step(cpu_backend(), as_fused_qkv_views(batch)), batch)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8), (32, 2)])
+def test_decode_kernel_reads_bfloat16_queries_and_writes_bfloat16_outputs(portable, head_dim, group):
+    """A bfloat16 model's queries (here strided views of a fused qkv) and
+    outputs go to the decode kernel as they are; its result must be the
+    float32 path's (float32 queries and outputs, rounded by torch after), bit
+    for bit: the kernel widens queries exactly and rounds to nearest even."""
+    batch = make_batch(
+        [(37, 1), (15, 1), (100, 1), (0, 1), (64, 1)],
+        block_size=16,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim + group,
+    )
+    backend = CpuAttentionBackend(native_kernel.load(portable=portable))
+    out = run_step(backend, as_fused_qkv_views(batch))
+    assert out.dtype == torch.bfloat16
+    widened = torch.full(batch.query.shape, float("nan"), dtype=torch.float32)
+    meta = dataclasses.replace(batch.meta, extra={})
+    backend.prepare(meta)
+    backend.forward(batch.query.float(), batch.k_cache, batch.v_cache, meta, batch.scale, out=widened)
+    assert torch.equal(out, widened.to(torch.bfloat16))
+    assert_matches_reference(out, batch)
 
 
 def test_cpu_backend_decodes_only_and_prefills_only():

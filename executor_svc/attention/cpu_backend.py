@@ -39,6 +39,13 @@ from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
+# paged_decode.c's `bf16` bits: which operands are bfloat16 (else float32).
+_BF16_KV, _BF16_Q, _BF16_OUT = 1, 2, 4
+
+
+def _kernel_operand(t: torch.Tensor) -> bool:
+    """Whether the decode kernel reads or writes `t` [tokens, heads, head_dim] in place."""
+    return t.dtype in (torch.float32, torch.bfloat16) and t.stride(2) == 1
 
 
 @dataclass
@@ -131,18 +138,19 @@ class CpuAttentionBackend:
         )
         if out is None:
             out = query.new_empty(query.shape)
-        # The kernels read float32 queries with unit-stride heads (a view into
-        # a fused qkv row qualifies) and write float32: into `out` directly
-        # when it is float32 with unit-stride heads, else into a buffer cast after.
-        q = query.to(torch.float32)
-        if q.stride(2) != 1:
-            q = q.contiguous()
-        direct = out.dtype == torch.float32 and out.stride(2) == 1
-        target = out if direct else torch.empty(q.shape, dtype=torch.float32)
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
         bf16 = int(k_cache.dtype == torch.bfloat16)
 
         if plan.has_prefills:
+            # The prefill kernel reads float32 queries with unit-stride heads
+            # (a view into a fused qkv row qualifies) and writes float32: into
+            # `out` directly when it is float32 with unit-stride heads, else
+            # into a buffer cast after.
+            q = query.to(torch.float32)
+            if q.stride(2) != 1:
+                q = q.contiguous()
+            direct = out.dtype == torch.float32 and out.stride(2) == 1
+            target = out if direct else torch.empty(q.shape, dtype=torch.float32)
             prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
             if prefill_rows is None:  # no native path for this shape or CPU: SDPA
                 if self._prefills.name not in meta.extra:
@@ -158,16 +166,22 @@ class CpuAttentionBackend:
             tables, seq_lens = d.block_tables, d.seq_lens
         else:
             seq_lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.to(torch.int32)
+        # The decode kernel reads float32 or bfloat16 queries and writes either
+        # dtype in place (unit-stride heads), so a bfloat16 model's queries and
+        # outputs need no float32 copies; anything else goes through float32.
+        dq = query if _kernel_operand(query) else query.to(torch.float32).contiguous()
+        dout = out if _kernel_operand(out) else torch.empty(query.shape, dtype=torch.float32)
+        flags = bf16 * _BF16_KV | _BF16_Q * (dq.dtype == torch.bfloat16) | _BF16_OUT * (dout.dtype == torch.bfloat16)
         status = self._kernel(
-            target.data_ptr(),
-            target.stride(0),
-            target.stride(1),
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
+            dout.data_ptr(),
+            dout.stride(0),
+            dout.stride(1),
+            dq.data_ptr(),
+            dq.stride(0),
+            dq.stride(1),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            bf16,
+            flags,
             tables.data_ptr(),
             tables.stride(0),
             seq_lens.data_ptr(),
@@ -185,8 +199,8 @@ class CpuAttentionBackend:
         )
         if status != 0:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
-        if not direct:
-            out.index_copy_(0, d.tokens, target.index_select(0, d.tokens).to(out.dtype))
+        if dout is not out:
+            out.index_copy_(0, d.tokens, dout.index_select(0, d.tokens).to(out.dtype))
         return out
 
     def _native_prefills(

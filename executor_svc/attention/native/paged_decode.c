@@ -12,6 +12,13 @@
  * Decode i reads query row tokens[i], request row seq_index[i] of the block
  * tables and seq_lens, and writes output row out_rows[i].
  *
+ * `bf16` says which operands are bfloat16 (else float32), one bit each:
+ * BF16_KV the caches, BF16_Q the queries, BF16_OUT the output. bfloat16
+ * queries are widened as read, and outputs rounded as written (to nearest,
+ * ties to even, NaN -> 0x7FC0: torch's .to(torch.bfloat16) of the float32
+ * result, bit for bit), so that a bfloat16 model needs no float32 copies of
+ * either around the call.
+ *
  * Two implementations behind one entry point:
  *  - AVX-512 (head_dim 64 or 128, up to 8 query heads per KV head): work item
  *    = (decode, all its KV heads), or (decode, KV head) when there are too
@@ -28,6 +35,36 @@
 #include <string.h>
 
 #define MAX_HEADS 256
+#define BF16_KV 1
+#define BF16_Q 2
+#define BF16_OUT 4
+
+static inline float widen_bf16(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest, ties to even, as torch's c10::BFloat16 (and bf16.h). */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float load_value(const void *base, int64_t i, int bf16) {
+    return bf16 ? widen_bf16(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_value(void *base, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)base)[i] = round_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
 
 /* One token's row of `count` values starting at element `first`: read in
  * place for float32; widened into `scratch` for bfloat16. */
@@ -46,9 +83,9 @@ static inline const float *token_row(float *scratch, const void *cache, int64_t 
 }
 
 static int decode_generic(
-    float *out, int64_t out_tok_stride, int64_t out_head_stride,
-    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
-    const void *k_cache, const void *v_cache, int cache_bf16,
+    void *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const void *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int bf16,
     const int32_t *block_tables, int64_t block_table_stride,
     const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,
     int num_decodes,
@@ -56,6 +93,7 @@ static int decode_generic(
     float scale, int num_threads)
 {
     const int group = num_heads / num_kv_heads;
+    const int cache_bf16 = (bf16 & BF16_KV) != 0, q_bf16 = (bf16 & BF16_Q) != 0, out_bf16 = (bf16 & BF16_OUT) != 0;
     const int64_t row_len = (int64_t)num_kv_heads * head_dim;  /* one token's K (or V), all KV heads */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -75,8 +113,8 @@ static int decode_generic(
                 const int r = seq_index[i], len = seq_lens[r];
                 const int32_t *table = block_tables + (int64_t)r * block_table_stride;
                 for (int h = 0; h < num_heads; h++) {
-                    const float *src = q + tokens[i] * q_tok_stride + (int64_t)h * q_head_stride;
-                    for (int d = 0; d < head_dim; d++) qv[h * head_dim + d] = src[d] * scale;
+                    const int64_t src = tokens[i] * q_tok_stride + (int64_t)h * q_head_stride;
+                    for (int d = 0; d < head_dim; d++) qv[h * head_dim + d] = load_value(q, src + d, q_bf16) * scale;
                 }
                 float maxs[MAX_HEADS], sums[MAX_HEADS];
                 for (int h = 0; h < num_heads; h++) maxs[h] = -INFINITY;
@@ -114,9 +152,9 @@ static int decode_generic(
                     }
                 }
                 for (int h = 0; h < num_heads; h++) {
-                    float *dst = out + out_rows[i] * out_tok_stride + (int64_t)h * out_head_stride;
+                    const int64_t dst = out_rows[i] * out_tok_stride + (int64_t)h * out_head_stride;
                     const float inv = 1.f / sums[h];
-                    for (int d = 0; d < head_dim; d++) dst[d] = acc[h * head_dim + d] * inv;
+                    for (int d = 0; d < head_dim; d++) store_value(out, dst + d, acc[h * head_dim + d] * inv, out_bf16);
                 }
             }
             free(scores);
@@ -290,9 +328,9 @@ static decode_fn fast_path(int group, int head_dim, int bf16) {
 #endif /* AVX-512 */
 
 int paged_decode_attention(
-    float *out, int64_t out_tok_stride, int64_t out_head_stride,
-    const float *q, int64_t q_tok_stride, int64_t q_head_stride,
-    const void *k_cache, const void *v_cache, int cache_bf16,
+    void *out, int64_t out_tok_stride, int64_t out_head_stride,
+    const void *q, int64_t q_tok_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache, int bf16,
     const int32_t *block_tables, int64_t block_table_stride,
     const int32_t *seq_lens, const int64_t *tokens, const int64_t *out_rows, const int32_t *seq_index,
     int num_decodes,
@@ -300,7 +338,7 @@ int paged_decode_attention(
     float scale, int num_threads)
 {
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
-    const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, cache_bf16);
+    const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, bf16 & BF16_KV);
     if (fn != NULL) {
         const int64_t row_len = (int64_t)num_kv_heads * head_dim;
         /* Work item = (decode, all its KV heads) when there are enough decodes
@@ -308,20 +346,56 @@ int paged_decode_attention(
          * which the hardware prefetcher streams. Few decodes: (decode, KV
          * head), so that a single long decode still uses every thread. */
         const int per_item = num_decodes >= 2 * num_threads && num_heads <= MAX_ITEM_HEADS ? num_kv_heads : 1;
-        const int items_per_decode = num_kv_heads / per_item;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)num_decodes * items_per_decode; item++) {
-            const int i = (int)(item / items_per_decode), kv = (int)(item % items_per_decode) * per_item, r = seq_index[i];
-            fn(out + out_rows[i] * out_tok_stride, out_head_stride, q + tokens[i] * q_tok_stride, q_head_stride,
-               k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r], block_size,
-               row_len, kv, per_item, scale);
+        const int items_per_decode = num_kv_heads / per_item, group = num_heads / num_kv_heads;
+        /* bfloat16 queries or outputs: the item's heads are staged in float32
+         * per thread (a few KB, beside a whole history of K/V reads). */
+        const int q_bf16 = (bf16 & BF16_Q) != 0, out_bf16 = (bf16 & BF16_OUT) != 0, staged = q_bf16 || out_bf16;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            float *stage = staged ? malloc(2 * sizeof(float) * (size_t)num_heads * head_dim) : NULL;
+            if (staged && stage == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < (int64_t)num_decodes * items_per_decode; item++) {
+                if (staged && stage == NULL)
+                    continue;
+                const int i = (int)(item / items_per_decode), kv = (int)(item % items_per_decode) * per_item;
+                const int r = seq_index[i], h0 = kv * group, h1 = (kv + per_item) * group;
+                const float *qrow = (const float *)q + tokens[i] * q_tok_stride;
+                float *orow = (float *)out + out_rows[i] * out_tok_stride;
+                int64_t qhs = q_head_stride, ohs = out_head_stride;
+                if (q_bf16) {
+                    const uint16_t *src = (const uint16_t *)q + tokens[i] * q_tok_stride;
+                    for (int h = h0; h < h1; h++)
+                        for (int d = 0; d < head_dim; d++)
+                            stage[h * head_dim + d] = widen_bf16(src[(int64_t)h * q_head_stride + d]);
+                    qrow = stage;
+                    qhs = head_dim;
+                }
+                if (out_bf16) {
+                    orow = stage + (size_t)num_heads * head_dim;
+                    ohs = head_dim;
+                }
+                fn(orow, ohs, qrow, qhs, k_cache, v_cache, block_tables + (int64_t)r * block_table_stride, seq_lens[r],
+                   block_size, row_len, kv, per_item, scale);
+                if (out_bf16) {
+                    uint16_t *dst = (uint16_t *)out + out_rows[i] * out_tok_stride;
+                    for (int h = h0; h < h1; h++)
+                        for (int d = 0; d < head_dim; d++)
+                            dst[(int64_t)h * out_head_stride + d] = round_bf16(orow[h * head_dim + d]);
+                }
+            }
+            free(stage);
         }
-        return 0;
+        return failed ? -1 : 0;
     }
 #endif
     /* No AVX-512, or a shape the fast path has no instance for. */
     return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache, v_cache,
-                          cache_bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows, seq_index,
+                          bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows, seq_index,
                           num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_seq_len, scale,
                           num_threads);
 }
