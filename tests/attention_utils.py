@@ -23,6 +23,7 @@ ON_GPU = torch.cuda.is_available()
 
 
 from executor_svc.attention import get_backend  # noqa: E402
+from executor_svc.attention.reference import make_batch  # noqa: E402
 from executor_svc.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -90,6 +91,12 @@ TOLERANCE = {
 def assert_matches_reference(out, batch):
     expected = batch.expected()
     torch.testing.assert_close(out.cpu().to(torch.float64), expected, **TOLERANCE[batch.query.dtype])
+
+
+def check_mixed_batch(backend, block_size: int, *, on_device: bool = False, **shape) -> None:
+    """One step of mixed_shapes(block_size) through `backend`, checked against the float64 reference."""
+    batch = make_batch(mixed_shapes(block_size), block_size=block_size, **shape)
+    assert_matches_reference(run_step(backend, to_device(batch) if on_device else batch), batch)
 
 
 def random_shapes(rng: random.Random, max_requests: int, max_cached: int, max_new: int):

@@ -10,7 +10,14 @@ import random
 
 import pytest
 import torch
-from attention_utils import as_fused_qkv_views, assert_matches_reference, mixed_shapes, random_shapes, run_step
+from attention_utils import (
+    as_fused_qkv_views,
+    assert_matches_reference,
+    check_mixed_batch,
+    mixed_shapes,
+    random_shapes,
+    run_step,
+)
 
 from executor_svc.attention import get_backend, native_kernel
 from executor_svc.attention.cpu_backend import CpuAttentionBackend
@@ -30,16 +37,15 @@ def cpu_backend():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim, group):
-    batch = make_batch(
-        mixed_shapes(block_size),
-        block_size=block_size,
+    check_mixed_batch(
+        cpu_backend(),
+        block_size,
         num_kv_heads=2,
         group=group,
         head_dim=head_dim,
         dtype=torch.float32,
         seed=block_size * 1000 + head_dim + group,
     )
-    assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
 @pytest.mark.parametrize(
@@ -47,16 +53,15 @@ def test_cpu_backend_float32_mixed_batch_matches_reference(block_size, head_dim,
 )
 def test_cpu_backend_bfloat16_matches_reference(block_size, group, head_dim):
     """bfloat16 caches at both head_dims the AVX-512 decode path serves (4 and 8 vectors a row)."""
-    batch = make_batch(
-        mixed_shapes(block_size),
-        block_size=block_size,
+    check_mixed_batch(
+        cpu_backend(),
+        block_size,
         num_kv_heads=3,
         group=group,
         head_dim=head_dim,
         dtype=torch.bfloat16,
         seed=17 + block_size + head_dim,
     )
-    assert_matches_reference(run_step(cpu_backend(), batch), batch)
 
 
 @pytest.mark.parametrize("seed", range(8))

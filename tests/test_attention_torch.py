@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from attention_utils import assert_matches_reference, mixed_shapes, random_shapes, run_step
+from attention_utils import assert_matches_reference, check_mixed_batch, mixed_shapes, random_shapes, run_step
 
 from executor_svc.attention import get_backend
 from executor_svc.attention.reference import make_batch
@@ -19,16 +19,15 @@ from executor_svc.attention.torch_backend import TorchAttentionBackend
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_torch_backend_float64_mixed_batch_matches_reference(block_size, head_dim, group):
-    batch = make_batch(
-        mixed_shapes(block_size),
-        block_size=block_size,
+    check_mixed_batch(
+        get_backend("torch"),
+        block_size,
         num_kv_heads=2,
         group=group,
         head_dim=head_dim,
         dtype=torch.float64,
         seed=block_size * 1000 + head_dim + group,
     )
-    assert_matches_reference(run_step(get_backend("torch"), batch), batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from attention_utils import (
     assert_matches_reference,
-    mixed_shapes,
+    check_mixed_batch,
     random_shapes,
     run_step,
     to_device,
@@ -65,13 +65,13 @@ def test_triton_backend_random_batches_match_reference(seed):
 @pytest.mark.parametrize("block_size,group", [(16, 3), (8, 1), (32, 8)])
 def test_triton_backend_bfloat16_matches_reference(block_size, group):
     """On a GPU the kernels' own bf16 arithmetic; in the interpreter q, k, v widened to float32 (triton_backend.py)."""
-    batch = make_batch(
-        mixed_shapes(block_size),
-        block_size=block_size,
+    check_mixed_batch(
+        triton_backend(),
+        block_size,
         num_kv_heads=3,
         group=group,
         head_dim=64,
         dtype=torch.bfloat16,
         seed=block_size + group,
+        on_device=True,
     )
-    assert_matches_reference(run_step(triton_backend(), to_device(batch)), batch)

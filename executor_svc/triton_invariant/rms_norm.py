@@ -32,6 +32,15 @@ MAX_BLOCK_D = 4096  # wider rows loop; the order then depends on the width only
 
 
 @triton.jit
+def _residual(x_row, delta_row, d, mask, HAS_DELTA: tl.constexpr):
+    """h (+ delta, rounded to h's dtype as the model's residual add rounds) at columns d."""
+    x = tl.load(x_row + d, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(delta_row + d, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     delta_ptr,
@@ -53,22 +62,14 @@ def _rms_norm_kernel(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = d < D
-        x = tl.load(x_row + d, mask=mask, other=0.0)
-        if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(delta_row + d, mask=mask, other=0.0).to(tl.float32)).to(
-                x_ptr.dtype.element_ty
-            )
-        x = x.to(tl.float32)
+        x = _residual(x_row, delta_row, d, mask, HAS_DELTA).to(tl.float32)
         acc += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         mask = d < D
-        x = tl.load(x_row + d, mask=mask, other=0.0)
+        x = _residual(x_row, delta_row, d, mask, HAS_DELTA)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(delta_row + d, mask=mask, other=0.0).to(tl.float32)).to(
-                x_ptr.dtype.element_ty
-            )
             tl.store(x_row + d, x, mask=mask)
         y = x.to(tl.float32) * rstd
         if ROUND_BEFORE_WEIGHT:
