@@ -14,13 +14,12 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import onednn_linear, weight_packing
+from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear, weight_packing
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
 from executor_svc.model import LlamaForCausalLM
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import PackedWeight, linear, pack_bf16
 from executor_svc.tokenizer_info import TokenizerInfo
 
 log = structlog.get_logger(__name__)
@@ -60,24 +59,35 @@ def open_checkpoint(path: str | None):
     raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json")
 
 
-def onednn_crossover(config, tp_size: int) -> int | None:
-    """The row count from which the model's bf16 linears go to oneDNN, measured
-    on its largest linear shape (gate and up, one rank's share); logged with
-    the timings it was chosen from."""
+def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tuple[int, str], ...]:
+    """Which GEMM takes each row count of the model's bf16 linears
+    (bf16_gemm_routes.py), measured on its largest linear shape (gate and
+    up, one rank's share); logged with the timings it was chosen from."""
     out_features = 2 * config.intermediate_size // tp_size
-
-    def blocks_for(weight):
-        packed = PackedWeight(None, pack_bf16(weight))
-        return lambda x: linear(x, weight, None, packed)
-
-    crossover, times_us = onednn_linear.calibrate(out_features, config.hidden_size, blocks_for)
+    gemms = bf16_gemm_routes.candidates(
+        out_features,
+        config.hidden_size,
+        gguf_kind=gguf_kind,
+        dot=packed_linear.kernel().bf16_dot_native,
+        onednn=onednn_linear.available(),
+    )
+    routes, times_us = bf16_gemm_routes.calibrate(gemms, config.hidden_size)
     log.info(
         "bf16_linear_route",
-        onednn_from_rows=crossover,
+        routes=[f"{how} from {rows} rows" for rows, how in routes],
         shape=[out_features, config.hidden_size],
-        median_us_blocks_vs_onednn={str(k): v for k, v in times_us.items()},
+        median_us={str(rows): t for rows, t in times_us.items()},
     )
-    return crossover
+    return routes
+
+
+def _gguf_kind(checkpoint, gguf_blocks: bool) -> str | None:
+    """The block format of the file's gate projection, which the routes are
+    measured with, where the model keeps the file's blocks."""
+    if not gguf_blocks or not isinstance(checkpoint, GGUFCheckpoint):
+        return None
+    found = checkpoint.blocks("model.layers.0.mlp.gate_proj.weight")
+    return None if found is None else found[0]
 
 
 def load_model(
@@ -91,7 +101,7 @@ def load_model(
     with_tokenizer: bool = True,
     packed_gemm: bool = False,
     gguf_blocks: bool = False,
-    bf16_onednn: bool = False,
+    bf16_routes: bool = False,
     batch_invariant: bool = False,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
@@ -101,8 +111,8 @@ def load_model(
     bfloat16 model it copies the weights into bfloat16 panels that the kernel
     multiplies in float32 (weight_packing.py, the post-load hook), keeping
     the file's blocks for small batches too with `gguf_blocks`, and with
-    `bf16_onednn` (CPUs with native bf16) also hands the larger row counts to
-    oneDNN's bf16 GEMM from a row count calibrated here. `batch_invariant`
+    `bf16_routes` (CPUs with native bf16) measures here which GEMM takes
+    each row count (the bf16 dot-product kernel and oneDNN among them). `batch_invariant`
     (--deterministic): with `packed_gemm` (CPU), every linear layer through
     the kernel whatever the row count (the caller checks that the kernel is
     available); without it (CUDA, or CPU tensors in Triton's interpreter),
@@ -117,7 +127,9 @@ def load_model(
         weight_packing.apply(
             model,
             checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
-            onednn_min_rows=onednn_crossover(checkpoint.config, tp_size) if bf16_onednn else None,
+            bf16_routes=measure_bf16_routes(checkpoint.config, tp_size, _gguf_kind(checkpoint, gguf_blocks))
+            if bf16_routes
+            else (),
             batch_invariant=batch_invariant,
         )
     elif batch_invariant:

@@ -14,22 +14,14 @@ sum rounded to bfloat16 (oneDNN's output takes the input's dtype, and CPU
 torch has no bf16 x bf16 -> float32 GEMM; torch's own bf16 models round every
 activation so) and widened back to float32.
 
-The crossover depends on the CPU (AVX512-BF16 or AMX, cores, caches), so it
-is measured at start-up (`calibrate`) on random weights of the model's
-largest linear shape rather than written down here. Where oneDNN never wins
-(CPUs that emulate bf16) it is not used at all.
+Which row counts go here depends on the CPU (AVX512-BF16 or AMX, cores,
+caches), so it is measured at start-up (bf16_gemm_routes.py) rather than
+written down here. CPUs that emulate bf16 never use it.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
-
-# Row counts the calibration compares; decode batches and prefill chunks lie
-# between them. Rows below the first never go to oneDNN: there the weight read
-# bounds both, and the packed kernel reads the same bfloat16 bytes.
-CALIBRATION_ROWS = (8, 16, 32, 64, 128, 256, 512)
 
 
 def available() -> bool:
@@ -57,34 +49,3 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     if bias is not None:
         out += bias
     return out
-
-
-def calibrate(out_features: int, in_features: int, blocks_for, reps: int = 5) -> tuple[int | None, dict]:
-    """The smallest row count of CALIBRATION_ROWS from which oneDNN beats
-    `blocks_for(weight)(x)` (the packed kernel over bfloat16 blocks) at
-    every larger row count measured too, or None where it never does; and the
-    median times in microseconds, {rows: (blocks, onednn)}, for the log.
-
-    Both run on the same random weight, alternated, so a busy moment of a
-    shared machine hits both; medians of `reps` calls after one warm-up."""
-    weight = torch.randn(out_features, in_features, dtype=torch.float32).to(torch.bfloat16)
-    onednn_weight = pack(weight)
-    blocks_linear = blocks_for(weight)
-    times = {}
-    for rows in CALIBRATION_ROWS:
-        x = torch.randn(rows, in_features)
-        runs = {"blocks": [], "onednn": []}
-        for i in range(reps + 1):
-            for name, fn, args in (("blocks", blocks_linear, (x,)), ("onednn", linear, (x, onednn_weight, None))):
-                start = time.perf_counter()
-                fn(*args)
-                if i:  # the first call of each warms caches and oneDNN's primitive cache
-                    runs[name].append(time.perf_counter() - start)
-        times[rows] = tuple(round(sorted(runs[n])[reps // 2] * 1e6, 1) for n in ("blocks", "onednn"))
-    crossover = None
-    for rows in reversed(CALIBRATION_ROWS):
-        blocks_us, onednn_us = times[rows]
-        if onednn_us >= blocks_us:
-            break
-        crossover = rows
-    return crossover, times

@@ -24,13 +24,18 @@ instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
 ~2.8x at 8-64, prefill 3.5x, docs/optimization_log.md). Past BF16_MAX_ROWS rows,
 where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
 widened for it on each call: a transient float32 copy of that one weight.
-On CPUs with native bf16 arithmetic the larger row counts go to oneDNN's
-bf16 GEMM instead (onednn_linear.py), from a crossover measured at start-up.
 A bfloat16 model from a GGUF file may also keep the file's Q4_1/Q8_0 blocks
 beside its BF16 ones (`PackedWeight.gguf`, --gguf-blocks auto): 1 to
-BLOCKS_MAX_ROWS rows (below any oneDNN crossover) read those instead, 5 or
-8.5 bits per weight instead of 16, and multiply the file's exact values, so
-those outputs are the float32 model's block-path outputs bit for bit.
+BLOCKS_MAX_ROWS rows read those instead, 5 or 8.5 bits per weight instead of
+16, and multiply the file's exact values, so those outputs are the float32
+model's block-path outputs bit for bit.
+
+On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) two more GEMMs take
+bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16 blocks
+("dot", bf16_dot_gemm.h) and oneDNN's bf16 GEMM over a second, reordered
+copy of the weight ("onednn", onednn_linear.py). Which of them, the BF16
+blocks or the file's blocks takes each row count is measured at start-up
+(bf16_gemm_routes.py) and kept in `PackedWeight.bf16_routes`.
 
 Batch invariance (--deterministic, docs/determinism.md): the kernel sums
 every output over k in one fixed FMA chain per row, whatever M, the row
@@ -38,8 +43,9 @@ tile, the chunk or the thread, so a row's result never depends on the other
 rows; MKL picks its algorithm and blocking by M. A `batch_invariant`
 PackedWeight therefore never routes to MKL: panels (or BF16 blocks) at
 every row count, GGUF blocks where they apply (their outputs are the panels'
-bit for bit), never oneDNN, and no file blocks beside bfloat16 ones (their
-values are not the BF16 blocks').
+bit for bit), never oneDNN or the dot kernel (bfloat16 activations, another
+k order), and no file blocks beside bfloat16 ones (their values are not the
+BF16 blocks').
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ SOURCE = os.path.join(os.path.dirname(__file__), "native", "packed_gemm.c")
 class _Kernel:
     gemm: ctypes._CFuncPtr
     gemm_blocks: ctypes._CFuncPtr
+    gemm_bf16_dot: ctypes._CFuncPtr
     panel_width: int  # output columns per packed panel
+    bf16_dot_native: bool  # VDPBF16PS built and on this CPU; else the dot kernel is emulated
 
 
 @lru_cache(maxsize=1)
@@ -71,7 +79,13 @@ def kernel() -> _Kernel | None:
     lib = load_library(SOURCE)  # typed from native_signatures.py
     if lib is None or lib.packed_gemm_panel_width() == 0:
         return None
-    return _Kernel(lib.packed_gemm, lib.packed_gemm_quant, lib.packed_gemm_panel_width())
+    return _Kernel(
+        lib.packed_gemm,
+        lib.packed_gemm_quant,
+        lib.packed_gemm_bf16_dot,
+        lib.packed_gemm_panel_width(),
+        lib.packed_gemm_bf16_dot_native() == 1,
+    )
 
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
@@ -93,7 +107,8 @@ BF16_MAX_ROWS = 512
 # block of 32 weights in the file (ggml's block_q4_1: f16 d, f16 m, 16 bytes
 # of 4-bit codes, k = j in the low nibble of byte j and k = j + 16 in its high
 # one; block_q8_0: f16 d, 32 int8 codes).
-# "BF16" is no GGUF format: 32 bfloat16 weights of one output row in k order.
+# "BF16" is no GGUF format: 32 bfloat16 weights of one output row in k order
+# (regrouped by pack_blocks into k pairs per column, packed_gemm.c).
 BLOCK_FORMATS = {"Q4_1": (1, 20), "Q8_0": (2, 34), "BF16": (3, 64)}
 BLOCK_K = 32
 
@@ -132,8 +147,8 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     # [panel, column, block, byte] -> per (panel, block): each field column-minor.
     blocks = blocks.view(num_panels, width, num_blocks, block_bytes).transpose(1, 2)
     d = blocks[..., 0:2]  # [panel, block, column, 2]: f16 scales, column after column
-    if kind == "BF16":  # [panel, block, k, column, 2 bytes]
-        fields = [blocks.reshape(num_panels, num_blocks, width, BLOCK_K, 2).transpose(2, 3)]
+    if kind == "BF16":  # [panel, block, k pair, column, 2 x 2 bytes]
+        fields = [blocks.reshape(num_panels, num_blocks, width, BLOCK_K // 2, 4).transpose(2, 3)]
     elif kind == "Q4_1":
         m, codes = blocks[..., 2:4], blocks[..., 4:]
         fields = [d, m, codes.transpose(2, 3)]  # codes: [panel, block, byte j, column]
@@ -180,12 +195,16 @@ class PackedWeight:
     panels: torch.Tensor | None  # pack(weight); None with pack_bf16 blocks
     blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
     # With bfloat16 blocks on CPUs with native bf16: the weight in oneDNN's
-    # layout (onednn_linear.py), which takes onednn_min_rows rows and more.
+    # layout (onednn_linear.py), where bf16_routes sends rows to "onednn".
     onednn: torch.Tensor | None = None
-    onednn_min_rows: int = 0
     # With bfloat16 blocks and a GGUF file: the file's Q4_1/Q8_0 blocks of the
-    # same weight (pack_blocks), which take 1..BLOCKS_MAX_ROWS rows.
+    # same weight (pack_blocks), which take 1..BLOCKS_MAX_ROWS rows (or where
+    # bf16_routes says "gguf").
     gguf: BlockPanels | None = None
+    # With bfloat16 blocks on CPUs with native bf16: (from_rows, how) pairs,
+    # from_rows ascending, measured at start-up (bf16_gemm_routes.py); `rows`
+    # goes to the `how` of the last pair with from_rows <= rows.
+    bf16_routes: tuple[tuple[int, str], ...] = ()
     batch_invariant: bool = False  # never MKL: every row count through the kernel
 
     def __post_init__(self) -> None:
@@ -193,17 +212,35 @@ class PackedWeight:
         assert self.gguf is None or (self.panels is None and self.blocks.kind == "BF16"), (
             "GGUF blocks beside float32 panels go in `blocks`; `gguf` is for bfloat16 weights"
         )
+        assert not self.bf16_routes or (self.panels is None and not self.batch_invariant), (
+            "bf16_routes are for bfloat16 blocks outside --deterministic"
+        )
+        assert all(how in BF16_ROUTES for _, how in self.bf16_routes), f"unknown route in {self.bf16_routes}"
+
+
+# What bf16_routes may name: the kernel over the BF16 blocks (float32
+# arithmetic), over the file's blocks, its VDPBF16PS loop, or oneDNN.
+BF16_ROUTES = ("blocks", "gguf", "dot", "onednn")
 
 
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks" (the kernel over `packed.blocks`),
-    "gguf" (over `packed.gguf`), "panels", "onednn" or "torch" (MKL)."""
+    "gguf" (over `packed.gguf`), "dot" (the bf16 dot-product kernel over
+    `packed.blocks`), "panels", "onednn" or "torch" (MKL)."""
     if packed is None:
         return "torch"
-    if packed.onednn is not None and rows >= packed.onednn_min_rows:
-        return "onednn"
     if packed.panels is None:  # bfloat16 weights
-        if packed.gguf is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
+        if packed.bf16_routes:
+            how = "blocks"
+            for from_rows, name in packed.bf16_routes:
+                if rows >= from_rows:
+                    how = name
+            # A weight the file does not keep in blocks, or kept no oneDNN copy of, reads its BF16 blocks.
+            if (how == "gguf" and packed.gguf is None) or (how == "onednn" and packed.onednn is None):
+                how = "blocks"
+            if how != "blocks":
+                return how
+        elif packed.gguf is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
             return "gguf"
         return "blocks" if rows <= BF16_MAX_ROWS or packed.batch_invariant else "torch"
     if packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
@@ -224,6 +261,8 @@ def linear(
         return F.linear(x, weight.to(x.dtype), bias)
     if how == "onednn":
         return onednn_linear.linear(x, packed.onednn, bias)
+    if how == "dot":
+        return _bf16_dot(x, weight, bias, packed.blocks)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
@@ -270,4 +309,32 @@ def linear(
             in_features,
             torch.get_num_threads(),
         )
+    return out
+
+
+def _bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockPanels) -> torch.Tensor:
+    """x [M, in] rounded to bfloat16 @ the BF16 blocks' weight (+ bias) -> float32
+    [M, out] through the kernel's dot-product loop: VDPBF16PS where the CPU
+    has it, its emulation in AVX-512F elsewhere (tests; never routed there)."""
+    out_features, in_features = weight.shape
+    assert x.dim() == 2 and x.shape[1] == in_features, f"dot linear: input {tuple(x.shape)} vs {tuple(weight.shape)}"
+    assert blocks.kind == "BF16" and (blocks.out_features, blocks.in_features) == (out_features, in_features)
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == (out_features,))
+    k = kernel()
+    xb = x.to(torch.bfloat16).contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = k.gemm_bf16_dot(
+        out.data_ptr(),
+        out.stride(0),
+        xb.data_ptr(),
+        xb.stride(0),
+        blocks.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        x.shape[0],
+        out_features,
+        in_features,
+        int(k.bf16_dot_native),
+        torch.get_num_threads(),
+    )
+    assert status == 0, f"packed_gemm_bf16_dot returned {status} for {out_features}x{in_features}"
     return out

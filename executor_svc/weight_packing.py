@@ -34,16 +34,16 @@ BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
 def apply(
     model: LlamaForCausalLM,
     blocks: BlockSource | None = None,
-    onednn_min_rows: int | None = None,
+    bf16_routes: tuple[tuple[int, str], ...] = (),
     batch_invariant: bool = False,
 ) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
-    bfloat16 one (with oneDNN from `onednn_min_rows` rows where given), either
+    bfloat16 one (with the measured `bf16_routes` where given), either
     with the GGUF `blocks` where given; `batch_invariant` (--deterministic)
     sends every row count through the kernel (packed_linear.py). The caller
     has checked that the kernel is available (worker.use_packed_gemm)."""
     if model.embed_tokens.dtype == torch.bfloat16:
-        widen_bf16(model, onednn_min_rows, blocks, batch_invariant)
+        widen_bf16(model, bf16_routes, blocks, batch_invariant)
     else:
         pack_linear_weights(model, blocks, batch_invariant)
 
@@ -84,14 +84,14 @@ def pack_linear_weights(
 @torch.no_grad()
 def widen_bf16(
     model: LlamaForCausalLM,
-    onednn_min_rows: int | None = None,
+    bf16_routes: tuple[tuple[int, str], ...] = (),
     blocks: BlockSource | None = None,
     batch_invariant: bool = False,
 ) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
     at a third of the float32 rate), and on CPUs with it, whose bf16 GEMMs
-    win only once enough rows make them compute-bound (onednn_linear.py),
+    win only once enough rows make them compute-bound (bf16_gemm_routes.py),
     while every other op has a native float32 kernel and no bf16 one. After load_weights: every linear
     weight and the head are also packed into BF16 block panels, which the
     kernel widens to float32 exactly as it reads them (the bfloat16
@@ -102,24 +102,25 @@ def widen_bf16(
     a float32 model keeps beside its panels); only the arithmetic is
     float32. A weight whose input width is not a multiple of 32 (possible
     in a tensor-parallel shard) is widened to a float32 tensor instead.
-    With `onednn_min_rows` (CPUs with native bf16), each packed weight is
-    also kept in oneDNN's layout for that many rows and more.
+    With `bf16_routes` (CPUs with native bf16, measured at start-up), each
+    packed weight routes its row counts so (PackedWeight.bf16_routes), and
+    is also kept in oneDNN's layout where a route names oneDNN.
 
     `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
     weights the file stores as Q4_1/Q8_0 in their blocks (as for float32
-    models, same conditions), which 1..BLOCKS_MAX_ROWS rows below any oneDNN
-    crossover read instead of the BF16 ones (packed_linear.route): 5 or 8.5
+    models, same conditions), which 1..BLOCKS_MAX_ROWS rows (or the row
+    counts bf16_routes gives them) read instead of the BF16 ones (packed_linear.route): 5 or 8.5
     bits a weight instead of 16, and the file's exact values where the
     bfloat16 weights hold them rounded. They cost 5/16 or 8.5/16 of the
     bfloat16 weights' memory on top.
 
     `batch_invariant` (--deterministic): every row count through the kernel
-    over the BF16 blocks, so neither oneDNN nor the file's blocks (whose
-    values differ from the BF16 ones); a weight widened to float32 for its
+    over the BF16 blocks, so no bf16_routes (oneDNN and the dot kernel
+    round activations) and no file blocks (whose values differ from the BF16 ones); a weight widened to float32 for its
     width is packed into float32 panels instead of going to MKL.
     """
     if batch_invariant:
-        onednn_min_rows, blocks = None, None
+        bf16_routes, blocks = (), None
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -134,9 +135,10 @@ def widen_bf16(
 
     def bf16_packed(weight: torch.Tensor, names: list[str], split: int | None = None) -> PackedWeight:
         gguf = _block_panels(model, blocks, names, split, weight)
-        if onednn_min_rows is None:
-            return PackedWeight(None, pack_bf16(weight), gguf=gguf, batch_invariant=batch_invariant)
-        return PackedWeight(None, pack_bf16(weight), onednn_linear.pack(weight), onednn_min_rows, gguf)
+        onednn = onednn_linear.pack(weight) if any(how == "onednn" for _, how in bf16_routes) else None
+        return PackedWeight(
+            None, pack_bf16(weight), onednn, gguf, bf16_routes=bf16_routes, batch_invariant=batch_invariant
+        )
 
     for i, layer in enumerate(model.layers):
         layer.packed = {}

@@ -91,19 +91,20 @@ def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, determi
     return built
 
 
-def use_bf16_onednn(name: str, packed_gemm: bool, dtype: torch.dtype, deterministic: bool = False) -> bool:
-    """Whether a widened bfloat16 model also sends its larger row counts to
-    oneDNN's bf16 GEMM: with --cpu-gemm auto on CPUs with native bf16 (elsewhere
-    oneDNN emulates bf16 and never beats the float32 kernel), and never under
-    --deterministic (oneDNN's sums depend on the row count; weight_packing
-    also refuses it there)."""
+def measure_bf16_routes(name: str, packed_gemm: bool, dtype: torch.dtype, deterministic: bool = False) -> bool:
+    """Whether a widened bfloat16 model measures at start-up which GEMM takes
+    each row count (bf16_gemm_routes.py): with --cpu-gemm auto on CPUs with
+    native bf16 and a bf16 GEMM to offer there (the kernel's VDPBF16PS loop,
+    oneDNN); elsewhere both emulate bf16 and never beat the float32 kernel.
+    Never under --deterministic: their sums depend on the row count, and
+    weight_packing refuses them there too."""
     return (
         name == "auto"
         and packed_gemm
         and dtype == torch.bfloat16
         and not deterministic
         and cpu_has_fast_bf16()
-        and onednn_linear.available()
+        and (packed_linear.kernel().bf16_dot_native or onednn_linear.available())
     )
 
 
@@ -160,7 +161,7 @@ class Worker:
             with_tokenizer=tp is None or tp.is_driver,
             packed_gemm=self.packed_gemm,
             gguf_blocks=config.gguf_blocks == "auto",
-            bf16_onednn=use_bf16_onednn(config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic),
+            bf16_routes=measure_bf16_routes(config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic),
             batch_invariant=config.deterministic,
         )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

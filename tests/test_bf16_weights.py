@@ -92,13 +92,15 @@ def test_bf16_kernel_writes_exactly_its_outputs_over_several_chunks():
 
 
 def test_bf16_panel_layout_and_input_checks():
-    """One block of one panel: 32 k rows of the 48 columns' bfloat16 weights."""
+    """One block of one panel: 16 pairs of k, each the 48 columns' two
+    bfloat16 weights side by side (the dot kernel's operand order)."""
     weight = bf16_weight(50, 64, seed=0)
     blocks = pack_bf16(weight)
     width = packed_linear.kernel().panel_width
     assert blocks.data.shape == (2, 2, 2 * 32 * width) and blocks.kind == "BF16"
-    cell = blocks.data[1, 1].view(torch.bfloat16).view(32, width)  # panel 1, k 32..63
-    assert torch.equal(cell[:, :2], weight[48:50, 32:64].t())
+    cell = blocks.data[1, 1].view(torch.bfloat16).view(16, width, 2)  # panel 1, k 32..63
+    # cell[s, c, i] = weight[48 + c, 32 + 2s + i]
+    assert torch.equal(cell[:, :2, :], weight[48:50, 32:64].reshape(2, 16, 2).transpose(0, 1))
     assert (cell[:, 2:].float() == 0).all()
     with pytest.raises(AssertionError, match="bfloat16 CPU weights"):
         pack_bf16(weight.float())
@@ -247,8 +249,8 @@ def test_worker_serves_bfloat16_widened(tmp_path):
 
 def test_gguf_blocks_take_small_batches_of_a_bfloat16_weight():
     """1..BLOCKS_MAX_ROWS rows read the file's blocks, more rows the BF16
-    blocks (then MKL); zero rows stay on the BF16 blocks; a oneDNN crossover
-    below BLOCKS_MAX_ROWS takes precedence from its row count on."""
+    blocks (then MKL); zero rows stay on the BF16 blocks. Measured routes
+    replace that rule: the file's blocks only where they say so."""
     weight, raw = quantized("Q8_0", 48, 64, seed=5)
     bf16 = weight.to(torch.bfloat16)
     plain = PackedWeight(None, pack_bf16(bf16))
@@ -256,8 +258,15 @@ def test_gguf_blocks_take_small_batches_of_a_bfloat16_weight():
     rows = (0, 1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, BF16_MAX_ROWS, BF16_MAX_ROWS + 1)
     assert [route(r, both) for r in rows] == ["blocks", "gguf", "gguf", "blocks", "blocks", "torch"]
     assert [route(r, plain) for r in rows] == ["blocks", "blocks", "blocks", "blocks", "blocks", "torch"]
-    hybrid = PackedWeight(None, pack_bf16(bf16), torch.empty(0), 16, pack_blocks("Q8_0", raw))
-    assert [route(r, hybrid) for r in (1, 15, 16, BLOCKS_MAX_ROWS)] == ["gguf", "gguf", "onednn", "onednn"]
+    routes = ((1, "gguf"), (16, "onednn"), (300, "dot"))
+    hybrid = PackedWeight(None, pack_bf16(bf16), torch.empty(0), pack_blocks("Q8_0", raw), bf16_routes=routes)
+    rows = (0, 1, 15, 16, BLOCKS_MAX_ROWS, 299, 300, BF16_MAX_ROWS + 1)
+    assert [route(r, hybrid) for r in rows] == ["blocks", "gguf", "gguf", "onednn", "onednn", "onednn", "dot", "dot"]
+    # A weight without file blocks or a oneDNN copy reads its BF16 blocks there.
+    bare = PackedWeight(None, pack_bf16(bf16), bf16_routes=routes)
+    assert [route(r, bare) for r in (1, 16, 300, BF16_MAX_ROWS + 1)] == ["blocks", "blocks", "dot", "dot"]
+    back = PackedWeight(None, pack_bf16(bf16), bf16_routes=((1, "dot"), (64, "blocks")))
+    assert [route(r, back) for r in (63, 64, BF16_MAX_ROWS + 1)] == ["dot", "blocks", "torch"]
     with pytest.raises(AssertionError, match="for bfloat16 weights"):
         PackedWeight(packed_linear.pack(weight), pack_blocks("Q8_0", raw), gguf=pack_blocks("Q8_0", raw))
 

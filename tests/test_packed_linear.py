@@ -116,15 +116,16 @@ def test_cpu_gemm_setting_resolves(monkeypatch):
     assert not use_packed_gemm("torch", cpu, torch.float32)
     assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32)
     # bfloat16: the kernel's float32 arithmetic on every CPU; where the CPU has
-    # bf16 of its own, auto also hands the larger row counts to oneDNN.
+    # bf16 of its own, auto also measures which GEMM takes each row count.
     for fast in (False, True):
         monkeypatch.setattr(worker, "cpu_has_fast_bf16", lambda fast=fast: fast)
         assert use_packed_gemm("auto", cpu, torch.bfloat16)
         assert use_packed_gemm("native", cpu, torch.bfloat16) and not use_packed_gemm("torch", cpu, torch.bfloat16)
-        assert worker.use_bf16_onednn("auto", True, torch.bfloat16) is (fast and onednn_linear.available())
-        assert not worker.use_bf16_onednn("native", True, torch.bfloat16)
-        assert not worker.use_bf16_onednn("auto", True, torch.float32)
-        assert not worker.use_bf16_onednn("auto", True, torch.bfloat16, deterministic=True)
+        bf16_gemm = packed_linear.kernel().bf16_dot_native or onednn_linear.available()
+        assert worker.measure_bf16_routes("auto", True, torch.bfloat16) is (fast and bf16_gemm)
+        assert not worker.measure_bf16_routes("native", True, torch.bfloat16)
+        assert not worker.measure_bf16_routes("auto", True, torch.float32)
+        assert not worker.measure_bf16_routes("auto", True, torch.bfloat16, deterministic=True)
     monkeypatch.setattr(packed_linear, "kernel", lambda: None)
     assert not use_packed_gemm("auto", cpu, torch.float32)
     with pytest.raises(ValueError, match="--cpu-gemm native needs an x86 CPU with AVX-512"):

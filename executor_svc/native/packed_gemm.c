@@ -153,7 +153,11 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  *     Q4_1 (960 bytes):  f16 d[48] | f16 m[48] | u8 q[16][48]
  *                        q[j][c] = code(k = j) | code(k = j + 16) << 4
  *     Q8_0 (1632 bytes): f16 d[48] | i8 q[32][48]
- *     BF16 (3072 bytes): bf16 w[32][48]
+ *     BF16 (3072 bytes): bf16 w[16][48][2]
+ *                        w[s][c][i] = weight of column c at k = 2s + i
+ *
+ * (BF16 pairs consecutive k per column: the operand order of the bf16
+ * dot-product kernel below, which reads the same blocks.)
  *
  * A bfloat16 weight is the top half of a float32 one, so widening it is
  * exact and the product is float32 arithmetic on bfloat16 weights: what a
@@ -196,13 +200,18 @@ static inline void expand_block(float *buf, const uint8_t *qp, int fmt, const ch
     const uint16_t *scales = (const uint16_t *)qp;
     const int lines = pf ? (int)((quant_block_bytes(fmt) + 63) / 64) : 0;
     if (fmt == FMT_BF16) {
-        /* 48 lines over 96 vectors: a line every other one. */
-        for (int v = 0; v < QK * NV; v++) {
-            if (v % 2 == 0 && v / 2 < lines)
-                _mm_prefetch(pf + 64 * (v / 2), _MM_HINT_T0);
-            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * v)));
-            _mm512_store_ps(buf + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        }
+        /* 48 lines over 48 loads of 16 columns x 2 k: the even k is the low
+         * half of each 32-bit lane, the odd k the high half. */
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int s = 0; s < QK / 2; s++)
+            for (int j = 0; j < NV; j++) {
+                const int v = s * NV + j;
+                if (v < lines)
+                    _mm_prefetch(pf + 64 * v, _MM_HINT_T0);
+                const __m512i w = _mm512_loadu_si512((const void *)(qp + 64 * v));
+                _mm512_store_ps(buf + 2 * s * NR + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+                _mm512_store_ps(buf + (2 * s + 1) * NR + 16 * j, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+            }
         return;
     }
     for (int j = 0; j < NV; j++) {
@@ -285,6 +294,69 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
     return 0;
 }
 
+/* The bf16 dot-product kernel (bf16_dot_gemm.h) over the same BF16 blocks,
+ * twice: with VDPBF16PS, and with its arithmetic emulated in AVX-512F. */
+#define DOT_STEP_BYTES (NR * 4) /* one k pair of one panel: 48 columns x 2 bf16 */
+
+static inline __attribute__((always_inline)) __m512 dot_emulated(__m512 acc, __m512i a, __m512i b)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                          _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+
+#define DOT_NAME(x) x##_dot_emulated
+#define DOT_TARGET
+#define DOT(acc, a, b) dot_emulated(acc, a, b)
+#include "bf16_dot_gemm.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+
+#if defined(__GNUC__) && (__GNUC__ >= 10 || defined(__clang__))
+#define HAVE_NATIVE_DOT 1
+#define DOT_NAME(x) x##_dot_native
+#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
+#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#include "bf16_dot_gemm.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#endif
+
+/* 1 where this build has the VDPBF16PS kernel and this CPU runs it. */
+int packed_gemm_bf16_dot_native(void)
+{
+#ifdef HAVE_NATIVE_DOT
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* C = A @ W^T (+ bias) over BF16 blocks, A bfloat16 [M, K] with row stride
+ * lda; `native` picks VDPBF16PS (0 = emulated). Returns 0; -2 if native is
+ * asked for where packed_gemm_bf16_dot_native() is 0; -3 for a K the blocks
+ * cannot hold. */
+int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                         const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    if (K <= 0 || K % QK != 0)
+        return -3;
+    if (native) {
+        if (!packed_gemm_bf16_dot_native())
+            return -2;
+#ifdef HAVE_NATIVE_DOT
+        gemm_dot_native(c, ldc, a, lda, blocks, bias, M, N, K, num_threads);
+#endif
+        return 0;
+    }
+    gemm_dot_emulated(c, ldc, a, lda, blocks, bias, M, N, K, num_threads);
+    return 0;
+}
+
 #else /* no AVX-512: the loader sees a panel width of 0 and keeps torch's GEMM */
 
 int packed_gemm_panel_width(void) { return 0; }
@@ -300,6 +372,16 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
                       const float *bias, int M, int N, int K, int num_threads)
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
+    (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_bf16_dot_native(void) { return 0; }
+
+int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                         const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)K; (void)native;
     (void)num_threads;
     return -1;
 }

@@ -1,0 +1,110 @@
+"""Which GEMM multiplies each row count of a bfloat16 model's linear layers,
+on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), measured at start-up.
+
+A widened bfloat16 model (weight_packing.widen_bf16) has up to four GEMMs
+for one weight (packed_linear.py):
+
+    blocks   the native kernel over BF16 block panels, float32 arithmetic:
+             exact products of the bf16 weights and float32 activations
+    gguf     the same kernel over the file's Q4_1/Q8_0 blocks, where kept:
+             fewer bytes to stream, the file's exact values
+    dot      the kernel's VDPBF16PS loop over the BF16 blocks: activations
+             rounded to bf16, twice the multiply rate of float32 FMAs
+    onednn   oneDNN's bf16 GEMM over a second copy of the weight, reordered
+             once (vLLM's CPU back end does this); on AMX CPUs its tiles
+
+Which wins depends on the rows (weight-read bound at a few rows, compute
+bound at many), the CPU (AVX512-BF16 or AMX, cores, caches, bandwidth) and
+the shape, so no table written here would hold on the next machine. So
+`calibrate` times each one that exists on random weights of the model's
+largest linear shape at CALIBRATION_ROWS, alternated so that a busy moment
+of a shared machine hits all of them, and each row count goes to the
+fastest. A bf16-activation GEMM (dot, onednn) must beat the best float32
+one by BF16_MARGIN: rounding the activations costs precision (as torch's
+own bf16 models do), which a gain inside the timing noise does not buy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from executor_svc import onednn_linear
+from executor_svc.packed_linear import BLOCK_FORMATS, BLOCK_K, PackedWeight, linear, pack_bf16, pack_blocks
+
+# Row counts timed: decode batches and prefill chunks fall between them, and
+# take the route of the largest one at or below them.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# How much faster (median) a GEMM on bf16-rounded activations must be.
+BF16_MARGIN = 1.05
+FLOAT32_ARITHMETIC = ("blocks", "gguf")
+
+Gemm = Callable[[torch.Tensor], object]
+
+
+def _random_gguf_rows(kind: str, out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [out, in / 32, block bytes]: random codes under small float16 scales."""
+    block_bytes = BLOCK_FORMATS[kind][1]
+    rows = torch.randint(0, 256, (out_features, in_features // BLOCK_K, block_bytes), generator=gen, dtype=torch.uint8)
+    scales = 2 if kind == "Q4_1" else 1  # Q4_1: f16 d, f16 m; Q8_0: f16 d
+    for i, value in enumerate((0.01, -0.08)[:scales]):
+        rows[..., 2 * i : 2 * i + 2] = (
+            torch.full(rows.shape[:2], value, dtype=torch.float16).view(torch.uint8).view(*rows.shape[:2], 2)
+        )
+    return rows
+
+
+def candidates(
+    out_features: int, in_features: int, *, gguf_kind: str | None, dot: bool, onednn: bool, seed: int = 0
+) -> dict[str, Gemm]:
+    """The GEMMs a widened bfloat16 weight of this shape would have, each
+    through packed_linear.linear with its route forced, on random weights."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+    blocks = pack_bf16(weight)
+    packed = {"blocks": PackedWeight(None, blocks)}
+    if gguf_kind is not None:
+        gguf = pack_blocks(gguf_kind, _random_gguf_rows(gguf_kind, out_features, in_features, gen))
+        packed["gguf"] = PackedWeight(None, blocks, gguf=gguf, bf16_routes=((1, "gguf"),))
+    if dot:
+        packed["dot"] = PackedWeight(None, blocks, bf16_routes=((1, "dot"),))
+    if onednn:
+        packed["onednn"] = PackedWeight(None, blocks, onednn_linear.pack(weight), bf16_routes=((1, "onednn"),))
+    return {name: (lambda x, p=p: linear(x, weight, None, p)) for name, p in packed.items()}
+
+
+def calibrate(
+    gemms: dict[str, Gemm],
+    in_features: int,
+    rows: tuple[int, ...] = CALIBRATION_ROWS,
+    reps: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[tuple[tuple[int, str], ...], dict[int, dict[str, float]]]:
+    """(routes, times): routes as PackedWeight.bf16_routes, (from_rows, name)
+    wherever the winner changes, from rows[0] on; times the median
+    microseconds of each GEMM at each row count, for the log. Medians of
+    `reps` calls after one warm-up call each (caches, oneDNN's primitive cache)."""
+    assert "blocks" in gemms, "the BF16 blocks are the baseline every weight has"
+    gen = torch.Generator().manual_seed(1)
+    times: dict[int, dict[str, float]] = {}
+    routes: list[tuple[int, str]] = []
+    for count in rows:
+        x = torch.randn(count, in_features, generator=gen)
+        runs: dict[str, list[float]] = {name: [] for name in gemms}
+        for i in range(reps + 1):
+            for name, gemm in gemms.items():
+                start = clock()
+                gemm(x)
+                if i:
+                    runs[name].append(clock() - start)
+        median = {name: sorted(r)[reps // 2] for name, r in runs.items()}
+        times[count] = {name: round(t * 1e6, 1) for name, t in median.items()}
+        best = min((n for n in median if n in FLOAT32_ARITHMETIC), key=median.__getitem__)
+        fastest = min(median, key=median.__getitem__)
+        if fastest not in FLOAT32_ARITHMETIC and median[fastest] * BF16_MARGIN > median[best]:
+            fastest = best
+        if not routes or routes[-1][1] != fastest:
+            routes.append((count, fastest))
+    return tuple(routes), times

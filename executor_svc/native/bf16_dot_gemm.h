@@ -1,0 +1,114 @@
+/* The bf16 dot-product GEMM over BF16 block panels (packed_gemm.c), for CPUs
+ * with AVX512-BF16: C[M, N] = A[M, K] @ W[N, K]^T (+ bias), A in bfloat16.
+ *
+ * Included twice by packed_gemm.c, with DOT_NAME(x) naming this instance's
+ * functions, DOT_TARGET its target attribute and DOT(acc, a, b) its pair
+ * product:
+ *
+ *     native     _mm512_dpbf16_ps (VDPBF16PS), built for AVX512-BF16 and
+ *                called only where the CPU has it;
+ *     emulated   the instruction's arithmetic in AVX-512F FMAs, so that every
+ *                CPU the kernel builds on runs (and tests) this loop.
+ *
+ * A BF16 block holds bf16 w[16][48][2]: for each pair of consecutive k, the
+ * panel's 48 columns, each column's two weights side by side. That is the
+ * operand order of VDPBF16PS: one 64-byte load is 16 columns x 2 k, and a
+ * 32-bit broadcast of A's same two k multiplies it into 16 float32 sums,
+ *
+ *     acc[c] += a[2s+1] * w[c][2s+1];  acc[c] += a[2s] * w[c][2s]
+ *
+ * (Intel's definition: two FMAs, odd k first, products of bf16 values exact
+ * in float32). So a k pair costs one instruction per 16 outputs where the
+ * widening path (expand_block + tile) costs two FMAs, a widening and a store
+ * and reload: twice the multiply rate once the rows make the GEMM compute
+ * bound, and no expansion buffer. The price is A rounded to bfloat16 (as a
+ * bf16 model's activations are in torch and oneDNN) and a k order that
+ * differs from the widening path's, so its sums are not those bit for bit.
+ *
+ * Blocks are contiguous within a panel, so a panel is K/2 steps of
+ * 192 bytes read front to back; tiles, chunks, threads and the prefetch of
+ * the next panel are those of packed_gemm's float32 kernel.
+ */
+
+static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
+    int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *panel, const float *bias,
+    int K, int ncols, const char *pf, int pf_lines)
+{
+    __mmask16 mask[NV];
+    for (int j = 0; j < NV; j++) {
+        int n = ncols - 16 * j;
+        mask[j] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+    }
+    __m512 acc[MR][NV];
+    for (int j = 0; j < NV; j++) {
+        const __m512 init = bias ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            acc[i][j] = init;
+    }
+    const int steps = K / 2;
+    int pf_err = 0;
+#pragma GCC unroll 4
+    for (int s = 0; s < steps; s++) {
+        const uint8_t *w = panel + (int64_t)s * DOT_STEP_BYTES;
+        _mm_prefetch((const char *)(w + PREFETCH_K * DOT_STEP_BYTES), _MM_HINT_T0);
+        for (pf_err += pf_lines; pf_err >= steps; pf_err -= steps, pf += 64)
+            _mm_prefetch(pf, _MM_HINT_T0);
+        __m512i wv[NV];
+        for (int j = 0; j < NV; j++)
+            wv[j] = _mm512_loadu_si512((const void *)(w + 64 * j));
+        for (int i = 0; i < mr; i++) {
+            int32_t pair;
+            __builtin_memcpy(&pair, a + i * lda + 2 * s, sizeof pair);
+            const __m512i x = _mm512_set1_epi32(pair);
+            for (int j = 0; j < NV; j++)
+                acc[i][j] = DOT(acc[i][j], x, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++)
+            _mm512_mask_storeu_ps(c_out + i * ldc + 16 * j, mask[j], acc[i][j]);
+}
+
+static DOT_TARGET void DOT_NAME(tile_rows)(int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda,
+                                           const uint8_t *panel, const float *bias, int K, int ncols, const char *pf,
+                                           int pf_lines)
+{
+    switch (mr) {
+    case 8: DOT_NAME(tile)(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 7: DOT_NAME(tile)(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 6: DOT_NAME(tile)(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 5: DOT_NAME(tile)(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 4: DOT_NAME(tile)(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 3: DOT_NAME(tile)(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 2: DOT_NAME(tile)(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    default: DOT_NAME(tile)(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    }
+}
+
+static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                      const float *bias, int M, int N, int K, int num_threads)
+{
+    const int panels = (N + NR - 1) / NR;
+    const int chunks = (M + MC - 1) / MC;
+    const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t items = (int64_t)chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
+        for (int64_t it = begin; it < end; it++) {
+            const int mc = (int)(it / panels), p = (int)(it % panels);
+            const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+            const int ncols = N - p * NR < NR ? N - p * NR : NR;
+            const uint8_t *panel = blocks + (int64_t)p * panel_bytes;
+            const int num_tiles = (m_end - mc * MC + MR - 1) / MR;
+            const int prefetch = it + 1 < end && p + 1 < panels && panel_bytes <= PREFETCH_MAX_PANEL;
+            const int share = prefetch ? (int)(panel_bytes / 64 / num_tiles) : 0;
+            const char *next = (const char *)(panel + panel_bytes);
+            for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
+                const int mr = m_end - m < MR ? m_end - m : MR;
+                DOT_NAME(tile_rows)(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias ? bias + p * NR : 0,
+                                    K, ncols, next + (int64_t)t * share * 64, share);
+            }
+        }
+    }
+}

@@ -1,0 +1,114 @@
+"""The packed kernel's bf16 dot-product GEMM (native/bf16_dot_gemm.h) over
+BF16 block panels: activations rounded to bfloat16, pairs of k multiplied as
+VDPBF16PS does. Its emulated build runs on every AVX-512 CPU and is checked
+here bit for bit against that definition; the VDPBF16PS build only where
+the CPU has AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc import packed_linear
+from executor_svc.packed_linear import BF16_MAX_ROWS, PackedWeight, linear, pack_bf16, route
+
+pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+
+DOT = ((1, "dot"),)
+
+
+def bf16_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+
+
+def vdpbf16ps_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Intel's definition, column by column in float32: acc += x[2s+1] w[2s+1],
+    then acc += x[2s] w[2s], from the bias. A product of two bfloat16 values
+    is exact in float32, so each step rounds once, as the instruction's FMA does."""
+    xs, ws = x.to(torch.bfloat16).float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0]) if bias is None else bias.expand(x.shape[0], -1).clone()
+    for s in range(w.shape[1] // 2):
+        for k in (2 * s + 1, 2 * s):
+            acc = acc + xs[:, k : k + 1] * ws[:, k]
+    return acc
+
+
+def emulated(x, w, bias=None):
+    """The dot route through the emulated loop, whatever this CPU has."""
+    k = packed_linear.kernel()
+    blocks = pack_bf16(w)
+    xb = x.to(torch.bfloat16).contiguous()
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    status = k.gemm_bf16_dot(
+        out.data_ptr(), out.stride(0), xb.data_ptr(), xb.stride(0), blocks.data.data_ptr(),
+        None if bias is None else bias.data_ptr(), x.shape[0], w.shape[0], w.shape[1], 0, 2,
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "rows,out_features,in_features",
+    [(1, 48, 32), (3, 70, 64), (8, 96, 96), (9, 100, 128), (17, 17, 64), (300, 49, 96), (64, 1536, 576)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_emulated_dot_is_the_instructions_arithmetic_bit_for_bit(rows, out_features, in_features, with_bias):
+    """Tiles of 1..8 rows, a second 256-row chunk, partial last panels and
+    vectors; the whole k order is the one the reference spells out."""
+    w = bf16_weight(out_features, in_features, seed=rows)
+    gen = torch.Generator().manual_seed(out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    assert torch.equal(emulated(x, w, bias), vdpbf16ps_reference(x, w, bias))
+
+
+def test_dot_route_is_within_float32_summation_error_of_float64():
+    """Through packed_linear.linear (VDPBF16PS where the CPU has it): against
+    float64 over the bfloat16-rounded activations, the only error is float32
+    summation, |error| <= K 2^-24 sum_k |x_k w_k|; against the float32
+    activations, bf16 rounding of x adds up to 2^-8 relative per product."""
+    w = bf16_weight(200, 256, 1)
+    gen = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(40, 256, generator=gen), torch.randn(200, generator=gen)
+    packed = PackedWeight(None, pack_bf16(w), bf16_routes=DOT)
+    assert route(40, packed) == "dot"
+    got = linear(x, w, bias, packed).double()
+    xr = x.to(torch.bfloat16).double()
+    mags = xr.abs() @ w.double().abs().T + bias.double().abs()
+    assert ((got - (xr @ w.double().T + bias.double())).abs() <= 256 * 2.0**-24 * mags).all()
+    exact = x.double() @ w.double().T + bias.double()
+    assert ((got - exact).abs() <= 2.0**-8 * mags).all()
+    assert not torch.equal(got, exact), "activations rounded to bfloat16 should show"
+
+
+def test_dot_route_takes_rows_past_the_bf16_mkl_limit_and_refuses_bad_widths():
+    w = bf16_weight(50, 64, 3)
+    packed = PackedWeight(None, pack_bf16(w), bf16_routes=DOT)
+    assert route(BF16_MAX_ROWS + 1, packed) == "dot"
+    x = torch.randn(BF16_MAX_ROWS + 1, 64)
+    torch.testing.assert_close(linear(x, w, None, packed), vdpbf16ps_reference(x, w, None), rtol=0, atol=1e-5)
+    k = packed_linear.kernel()
+    out, xb = torch.empty(1, 50), torch.zeros(1, 48, dtype=torch.bfloat16)
+    blocks = pack_bf16(w)
+    # K not a multiple of 32: refused before any read.
+    assert k.gemm_bf16_dot(out.data_ptr(), 50, xb.data_ptr(), 48, blocks.data.data_ptr(), None, 1, 50, 48, 0, 1) == -3
+    if not k.bf16_dot_native:  # VDPBF16PS asked for where the CPU lacks it
+        args = (out.data_ptr(), 50, xb.data_ptr(), 64, blocks.data.data_ptr(), None, 1, 50, 64, 1, 1)
+        assert k.gemm_bf16_dot(*args) == -2
+
+
+@pytest.mark.skipif(
+    packed_linear.kernel() is None or not packed_linear.kernel().bf16_dot_native, reason="needs AVX512-BF16"
+)
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_vdpbf16ps_agrees_with_its_emulation(rows):
+    """Same inputs, the instruction against its emulated arithmetic: they may
+    differ only where the instruction flushes denormals or orders a pair's
+    two products otherwise, within float32 summation error."""
+    w = bf16_weight(130, 192, rows)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    native = linear(x, w, None, PackedWeight(None, pack_bf16(w), bf16_routes=DOT)).double()
+    emul = emulated(x, w).double()
+    mags = x.to(torch.bfloat16).double().abs() @ w.double().abs().T
+    assert ((native - emul).abs() <= 2 * 192 * 2.0**-24 * mags).all()

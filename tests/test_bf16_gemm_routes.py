@@ -1,0 +1,109 @@
+"""Which GEMM takes each row count of a widened bfloat16 model on CPUs with
+native bf16 (bf16_gemm_routes.py): the choice from timings (a fake clock, so
+the machine's load cannot decide), the candidates themselves, and a Worker
+that measured its routes serving through them (forced: this test does not
+need a bf16 CPU; oneDNN and the dot kernel then emulate bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear
+from executor_svc.bf16_gemm_routes import BF16_MARGIN, calibrate, candidates
+
+pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
+
+
+class FakeClock:
+    """Each stand-in GEMM advances it by its cost at the row count it is given."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def gemm(self, cost):
+        def run(x):
+            self.now += cost(x.shape[0])
+
+        return run
+
+
+def test_each_row_count_goes_to_the_fastest_and_bf16_activations_need_a_margin():
+    clock = FakeClock()
+    gemms = {
+        "blocks": clock.gemm(lambda r: 10.0 + r),
+        "gguf": clock.gemm(lambda r: 4.0 + 2 * r),  # fewer bytes: wins while the read dominates
+        "dot": clock.gemm(lambda r: 10.0 + r / 2),  # twice the multiply rate
+        "onednn": clock.gemm(lambda r: 30.0 + r / 4 if r != 512 else 1e9),
+    }
+    routes, times = calibrate(gemms, 64, rows=(1, 2, 4, 8, 16, 64, 128, 512), reps=3, clock=clock)
+    # 1-4: gguf (6..12 against dot's 10.5..12); 8: dot 14 vs gguf 20 and blocks 18;
+    # 64: dot 42 vs onednn 46; 128: onednn 62 vs dot 74; 512: onednn's stand-in stalls.
+    assert routes == ((1, "gguf"), (8, "dot"), (128, "onednn"), (512, "dot"))
+    assert times[8] == {"blocks": 18e6, "gguf": 20e6, "dot": 14e6, "onednn": 32e6}
+
+    # A bf16-activation GEMM inside the margin loses to the float32 arithmetic.
+    close = {"blocks": clock.gemm(lambda r: 100.0), "dot": clock.gemm(lambda r: 100.0 / BF16_MARGIN * 1.001)}
+    assert calibrate(close, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "blocks"),)
+    clear = {"blocks": clock.gemm(lambda r: 100.0), "dot": clock.gemm(lambda r: 100.0 / BF16_MARGIN * 0.99)}
+    assert calibrate(clear, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "dot"),)
+
+
+@pytest.mark.parametrize("gguf_kind", [None, "Q4_1", "Q8_0"])
+def test_candidates_compute_the_same_product(gguf_kind):
+    """Each candidate multiplies the same random weight (the file's blocks:
+    random codes of their own, only shaped alike), by the route it names."""
+    gemms = candidates(96, 64, gguf_kind=gguf_kind, dot=True, onednn=onednn_linear.available())
+    assert set(gemms) == {"blocks", "dot"} | ({"gguf"} if gguf_kind else set()) | (
+        {"onednn"} if onednn_linear.available() else set()
+    )
+    x = torch.randn(5, 64)
+    reference = gemms["blocks"](x)
+    assert reference.shape == (5, 96) and reference.isfinite().all()
+    for name in ("dot", "onednn"):
+        if name in gemms:
+            torch.testing.assert_close(gemms[name](x), reference, rtol=0, atol=0.05 * reference.abs().max().item())
+    if gguf_kind:
+        assert gemms["gguf"](x).isfinite().all()
+    routes, times = calibrate(gemms, 64, rows=(1, 16), reps=1)
+    assert routes[0][0] == 1 and set(times) == {1, 16} and set(times[16]) == set(gemms)
+
+
+def test_worker_on_a_fast_bf16_cpu_serves_through_its_measured_routes(tmp_path, monkeypatch):
+    """--dtype auto on a CPU reporting native bf16 (forced): the widened
+    model's linears take the measured routes (dot kernel for a few rows,
+    oneDNN from 32 here), and their logits agree with the plain widened
+    model's within bf16 activation rounding."""
+    from model_utils import PagedEngine, save_tiny_hf_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from executor_svc import worker as worker_mod
+    from executor_svc.config import ExecutorConfig
+
+    if not onednn_linear.available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    save_tiny_hf_model("llama_tied", str(tmp_path))
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(worker_mod, "cpu_has_fast_bf16", lambda: True)
+    routes = ((1, "dot"), (32, "onednn"))
+    monkeypatch.setattr(bf16_gemm_routes, "calibrate", lambda *a, **k: (routes, {}))
+    routed = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01))
+    assert routed.dtype == torch.bfloat16 and routed.packed_gemm and routed.model.compute_dtype == torch.float32
+    packed = routed.model.layers[0].packed["gate_up"]
+    assert packed.bf16_routes == routes and packed.onednn is not None
+    plain = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01, cpu_gemm="native"))
+    assert plain.model.layers[0].packed["gate_up"].bf16_routes == ()
+
+    for length, how in ((37, "onednn"), (20, "dot")):
+        assert packed_linear.route(length, packed) == how
+        prompt = list(range(3, 3 + length))
+        logits = []
+        for w in (routed, plain):
+            engine = PagedEngine(w.model, num_blocks=16, block_size=16)
+            logits.append(engine.step([(engine.add(prompt), len(prompt))])[0])
+        assert not torch.equal(logits[0], logits[1]), f"the prefill should have gone through {how}"
+        torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.05 * logits[1].abs().max().item())
