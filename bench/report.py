@@ -32,6 +32,14 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_description() -> str:
+    """The CPU model and its bf16 arithmetic flags, to print beside every figure."""
+    from executor_svc.native_build import cpu_flags
+
+    bf16 = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return f"{_cpu_model()}, bf16 flags: {' '.join(bf16) or 'none'}"
+
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()

@@ -107,3 +107,19 @@ def test_worker_on_a_fast_bf16_cpu_serves_through_its_measured_routes(tmp_path, 
             logits.append(engine.step([(engine.add(prompt), len(prompt))])[0])
         assert not torch.equal(logits[0], logits[1]), f"the prefill should have gone through {how}"
         torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.05 * logits[1].abs().max().item())
+
+
+def test_bench_times_every_candidate_and_names_a_route(monkeypatch, capsys):
+    """bench.bf16_gemm, one layer, two row counts: a column per candidate
+    (the emulated dot kernel included on CPUs without VDPBF16PS) and a route."""
+    from bench import bf16_gemm
+
+    monkeypatch.setattr(bf16_gemm, "LAYERS", 1)
+    bf16_gemm.main(["--rows", "1,16", "--reps", "1", "--emulated-dot", "--num-threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert "bf16 flags:" in out[0]
+    assert out[1].split()[:5] == ["rows", "blocks", "ms", "gguf", "ms"] and "dot ms" in out[1]
+    for line, rows in zip(out[2:], (1, 16)):
+        cells = line.split()
+        assert int(cells[0]) == rows and cells[-1] in packed_linear.BF16_ROUTES
+        assert all(float(c) > 0 for c in cells[1:-1])
