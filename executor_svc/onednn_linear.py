@@ -8,7 +8,7 @@ weight read at decode sizes). Past some number of rows the GEMM turns
 compute-bound, and there the CPU's bf16 FMA/AMX units beat float32 FMAs by
 about 2.4x (the issue-18 machine: 408 vs 172 GFLOP/s measured ceilings). So
 each weight is also reordered once, at load, into oneDNN's blocked layout
-(what vLLM's CPU back end does), and rows at or above a crossover go there:
+(what vLLM's CPU back end does), and the row counts measured faster go there:
 activations rounded to bfloat16, products summed in float32 by oneDNN, the
 sum rounded to bfloat16 (oneDNN's output takes the input's dtype, and CPU
 torch has no bf16 x bf16 -> float32 GEMM; torch's own bf16 models round every

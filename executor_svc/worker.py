@@ -76,7 +76,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> bool:
     """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
     for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
-    weight_packing.widen_bf16; see use_bf16_onednn for CPUs with bf16 of their own).
+    weight_packing.widen_bf16; see measure_bf16_routes for CPUs with bf16 of their own).
     --deterministic needs it for either dtype on every CPU: its sums are the
     batch-invariant ones (docs/determinism.md); on CUDA the Triton kernels
     take its place (check_deterministic_cuda)."""
