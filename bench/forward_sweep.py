@@ -1,8 +1,10 @@
-"""Forward time per step against batch size and context length, beside the CPU's matmul ceiling.
+"""Forward time per step against batch size and context length, between the CPU's matmul
+ceiling and its memory read floor.
 
     .venv/bin/python -m bench.forward_sweep [--dtypes float32,bfloat16] [--num-threads 0] [--rounds 5]
         [--batch-sizes 1,2,4,8,16,32,64,128,256 --context 256] [--contexts 128,256,512,1024,2048 --batch 64]
-        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--out-dir DIR] [--no-chart]
+        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--bandwidth-mib 0]
+        [--out-dir DIR] [--no-chart]
 
 In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
 --model) runs synthetic step plans through ModelRunner.execute, the call the
@@ -57,13 +59,23 @@ bench.kv_read_bandwidth counts it):
 
     attn GB/s = (KV bytes at c - KV bytes at c0) / (step at c - step at c0)
 
-The assumption: everything in a decode step but attention costs the same
+(the step at c0 reads its own KV too: the extra time pays for the extra bytes
+only). The assumption: everything in a decode step but attention costs the same
 at every context (the linears, norms, rope, head and sampling see one token
 per request whatever its context), so the extra time of a longer context is
 attention reading the extra K/V. Attention's own context-independent cost
 cancels out; noise in two step times does not, so short context spans (or
 a busy machine) give a loose estimate, and a row whose step is no slower
 than the shortest context's gets none.
+
+Per dtype, the printout (forward_sweep_report.py) gives the ceiling beside
+the floor, then issue 18's targets read off the rows where the sweep has
+them: batch 64 (batch sweep) at >= 0.6 of the ceiling, batch 1 at <= 2x the
+weights' read floor, attention at >= 0.6 of the copy bandwidth (judged at the
+longest context). They are bfloat16 targets for CPUs with AVX512-BF16.
+The result JSON (bench/report.py) holds every figure: per row the bytes by
+route, the floors and the attention rate; per dtype "ceiling", "bandwidth"
+and "targets".
 """
 
 from __future__ import annotations

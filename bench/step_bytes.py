@@ -14,7 +14,7 @@ GEMM that takes them, and so what it streams:
                     weight widened per call is counted once, at 2 bytes)
 
 The embedding lookup (a few rows), the norms and biases (vectors) are left
-out: SmolLM2-135M's norms are 0.05% of its linear weights.
+out: SmolLM2-135M's norms are 0.03% of its linear weights.
 
 KV: attention reads, per layer, K and V of every token of every request (its
 context, the new tokens included) in the cache's dtype; a prefill's causal
