@@ -3,7 +3,7 @@ ceiling and its memory read floor.
 
     .venv/bin/python -m bench.forward_sweep [--dtypes float32,bfloat16] [--num-threads 0] [--rounds 5]
         [--batch-sizes 1,2,4,8,16,32,64,128,256 --context 256] [--contexts 128,256,512,1024,2048 --batch 64]
-        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--bandwidth-mib 0]
+        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--gguf-blocks auto] [--bandwidth-mib 0]
         [--out-dir DIR] [--no-chart]
 
 In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
@@ -50,7 +50,9 @@ float32 panels, BF16 or GGUF block panels, oneDNN's copy or the plain
 tensor; bench/step_bytes.py), "KV MB" the K and V of every token of every
 request; "wt floor ms" and "wt+KV floor ms" are their read times, and
 "x floor" is step ms over the wt+KV floor. (Issue 18's "batch 1 at <= 2x
-the weight-read time" is printed against the weights alone.)
+the weight-read time" is printed against the weights alone.) The embedded
+model is a Q4_1 GGUF: with --gguf-blocks auto its 1-32 row steps read 96 MB
+of blocks, in either dtype; --gguf-blocks off reads the 270 MB of BF16 blocks.
 
 Context sweep: "attn GB/s" is attention's K/V read rate estimated from the
 difference to the same batch's step at the shortest context, and "of copy"
@@ -92,7 +94,7 @@ from pathlib import Path
 import torch
 
 from bench import forward_sweep_report, membw, report, step_bytes
-from executor_svc.config import ExecutorConfig
+from executor_svc.config import GGUF_BLOCKS, ExecutorConfig
 from executor_svc.kv_cache import GIB, bytes_per_block
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker, cpu_has_fast_bf16
@@ -136,6 +138,13 @@ def parser() -> argparse.ArgumentParser:
         choices=("auto", "native", "torch"),
         help="the executor's --cpu-gemm, for every dtype (native: packed AVX-512 kernel; torch: MKL, and for "
         "bfloat16 torch's own bf16 GEMM with bfloat16 activations)",
+    )
+    p.add_argument(
+        "--gguf-blocks",
+        default="auto",
+        choices=GGUF_BLOCKS,
+        help="the executor's --gguf-blocks (auto: 1-32 rows of a GGUF model, the embedded one included, read "
+        "its Q4_1/Q8_0 blocks, and the read floor counts those; off: the float32 panels or BF16 blocks)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
@@ -280,6 +289,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             kv_cache_gib=gib,
             num_threads=args.num_threads,
             cpu_gemm=args.cpu_gemm,
+            gguf_blocks=args.gguf_blocks,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
