@@ -18,6 +18,9 @@ holds one batch; sending requests as new rather than cached costs a copy of
 their token lists, small beside the forward. A prefill row is one step of
 --prefill-batch requests with --prefill-tokens new tokens each, none cached.
 
+On a machine shared with busy processes, run it with OMP_WAIT_POLICY=PASSIVE
+(what the executor's --omp-wait-policy passive sets): with libgomp's spinning
+default a batch-1 step of the embedded model took 1.3 s there instead of 44 ms.
 Times are medians over --rounds steps after 2 warm-up steps. "step" is all of
 execute() (plan, inputs, forward, LM head, sampling); "fwd" is the model call
 alone. "tok/s" is scheduled tokens per second (for decodes, tokens generated).
@@ -325,8 +328,9 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         flops = 2 * (body * tokens + head * row["batch"])
         ceil_s = flops / (ceiling["best_gflops"] * 1e9)
         weights = step_bytes.weight_read_bytes(worker.model, tokens, row["batch"])
+        weight_bytes = sum(weights.values())
         kv = step_bytes.kv_read_bytes(cfg, worker.kv_dtype, row["batch"], row["context"])
-        floor_s = (sum(weights.values()) + kv) / floor_bps
+        floor_s = (weight_bytes + kv) / floor_bps
         out.append(
             dict(
                 row,
@@ -339,10 +343,10 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
                 gflops=flops / step_s / 1e9,
                 ceiling_ms=ceil_s * 1e3,
                 fraction_of_ceiling=ceil_s / step_s,
-                weight_bytes=sum(weights.values()),
+                weight_bytes=weight_bytes,
                 weight_bytes_by_route=weights,
                 kv_bytes=kv,
-                weight_floor_ms=sum(weights.values()) / floor_bps * 1e3,
+                weight_floor_ms=weight_bytes / floor_bps * 1e3,
                 floor_ms=floor_s * 1e3,
                 times_floor=step_s / floor_s,
             )

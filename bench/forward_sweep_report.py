@@ -68,7 +68,7 @@ def summary_lines(result: dict, dtype: str) -> list[str]:
         verdicts.append(f"batch 64 at {x:.2f} of the ceiling (>= 0.6: {_met(x >= 0.6)})")
     if "batch_1_x_weight_floor" in t:
         x = t["batch_1_x_weight_floor"]
-        verdicts.append(f"batch 1 at {x:.1f}x the weight-read floor (<= 2: {_met(x <= 2)})")
+        verdicts.append(f"batch 1 at {x:.2f}x the weight-read floor (<= 2: {_met(x <= 2)})")
     if "attention_of_copy_by_context" in t:
         by_context = t["attention_of_copy_by_context"]
         rates = ", ".join(f"{x:.2f} at context {ctx}" for ctx, x in by_context.items())
