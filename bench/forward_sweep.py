@@ -77,7 +77,9 @@ Per dtype, the printout (forward_sweep_report.py) gives the ceiling beside
 the floor, then issue 18's targets read off the rows where the sweep has
 them: batch 64 (batch sweep) at >= 0.6 of the ceiling, batch 1 at <= 2x the
 weights' read floor, attention at >= 0.6 of the copy bandwidth (judged at the
-longest context). They are bfloat16 targets for CPUs with AVX512-BF16.
+longest context; "unsure" where the estimate beats every read rate measured,
+which only noise in the two step times can do). They are bfloat16 targets
+for CPUs with AVX512-BF16.
 The result JSON (bench/report.py) holds every figure: per row the bytes by
 route, the floors and the attention rate; per dtype "ceiling", "bandwidth"
 and "targets".

@@ -73,7 +73,10 @@ def summary_lines(result: dict, dtype: str) -> list[str]:
         by_context = t["attention_of_copy_by_context"]
         rates = ", ".join(f"{x:.2f} at context {ctx}" for ctx, x in by_context.items())
         # Judged at the longest context: the widest span, the least noise in a difference of two steps.
-        met = _met(by_context[max(by_context)] >= 0.6)
+        longest = by_context[max(by_context)]
+        met = _met(longest >= 0.6)
+        if longest * b["copy_bytes_per_s"] > b["floor_bytes_per_s"]:
+            met = "unsure: faster than any read measured here, i.e. noise; more --rounds"
         verdicts.append(f"attention at {rates} of the copy bandwidth (>= 0.6 at the longest: {met})")
     if verdicts:
         lines.append(f"  issue 18 targets: {'; '.join(verdicts)}")

@@ -147,3 +147,33 @@ def test_bandwidths_are_positive_and_the_floor_takes_the_faster():
     assert b["copy_bytes_per_s"] > 0 and b["read_bytes_per_s"] > 0
     assert b["floor_bytes_per_s"] == max(b["copy_bytes_per_s"], b["read_bytes_per_s"])
     assert membw.stream_bytes() >= max(membw.MIN_STREAM_BYTES, 4 * membw.llc_bytes())
+
+
+def test_the_summary_gives_each_target_its_verdict_and_distrusts_an_attention_rate_past_the_read_rate():
+    from bench import forward_sweep_report
+
+    rows = [
+        dict(dtype="bfloat16", sweep="batch", batch=1, context=256, tokens=1, step_ms=15.0, weight_floor_ms=10.0),
+        dict(dtype="bfloat16", sweep="batch", batch=64, context=256, tokens=64, step_ms=100, fraction_of_ceiling=0.4),
+        dict(dtype="bfloat16", sweep="context", batch=64, context=512, tokens=64, attention_of_copy=0.7),
+    ]
+    for row in rows:
+        row.setdefault("weight_bytes", 1e8)
+        row.setdefault("weight_floor_ms", 10.0)
+    result = dict(
+        rows=rows,
+        ceiling=dict(bfloat16=dict(best_gflops=400.0, best_dtype="bfloat16", by_dtype={}, cpu_has_fast_bf16=True)),
+        bandwidth=dict(
+            bfloat16=dict(
+                copy_bytes_per_s=1e10, read_bytes_per_s=9e9, floor_bytes_per_s=1e10, tensor_bytes=1 << 28, threads=2
+            )
+        ),
+    )
+    result["targets"] = dict(bfloat16=forward_sweep_report.issue_18_targets(rows))
+    (targets,) = [line for line in forward_sweep_report.summary_lines(result, "bfloat16") if "targets" in line]
+    assert "batch 64 at 0.40 of the ceiling (>= 0.6: NOT met)" in targets
+    assert "batch 1 at 1.50x the weight-read floor (<= 2: met)" in targets
+    assert "0.70 at context 512 of the copy bandwidth (>= 0.6 at the longest: met)" in targets
+    rows[2]["attention_of_copy"] = 1.2  # 12 GB/s against a machine that read at most 10
+    result["targets"] = dict(bfloat16=forward_sweep_report.issue_18_targets(rows))
+    assert "unsure" in "".join(forward_sweep_report.summary_lines(result, "bfloat16"))
