@@ -1,8 +1,10 @@
-"""Forward time per step against batch size and context length, beside the CPU's matmul ceiling.
+"""Forward time per step against batch size and context length, between the CPU's matmul
+ceiling and its memory read floor.
 
     .venv/bin/python -m bench.forward_sweep [--dtypes float32,bfloat16] [--num-threads 0] [--rounds 5]
         [--batch-sizes 1,2,4,8,16,32,64,128,256 --context 256] [--contexts 128,256,512,1024,2048 --batch 64]
-        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--out-dir DIR] [--no-chart]
+        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--gguf-blocks auto] [--bandwidth-mib 0]
+        [--out-dir DIR] [--no-chart]
 
 In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
 --model) runs synthetic step plans through ModelRunner.execute, the call the
@@ -16,6 +18,9 @@ holds one batch; sending requests as new rather than cached costs a copy of
 their token lists, small beside the forward. A prefill row is one step of
 --prefill-batch requests with --prefill-tokens new tokens each, none cached.
 
+On a machine shared with busy processes, run it with OMP_WAIT_POLICY=PASSIVE
+(what the executor's --omp-wait-policy passive sets): with libgomp's spinning
+default a batch-1 step of the embedded model took 1.3 s there instead of 44 ms.
 Times are medians over --rounds steps after 2 warm-up steps. "step" is all of
 execute() (plan, inputs, forward, LM head, sampling); "fwd" is the model call
 alone. "tok/s" is scheduled tokens per second (for decodes, tokens generated).
@@ -30,10 +35,54 @@ per prefill request). Attention over the context, 4 * context * H FLOPs per
 token and layer, is not counted: long contexts fall below the ceiling by that
 work as well as by its memory traffic.
 
-The ceiling is the best median GFLOP/s of torch.mm in each dtype with the
-same threads, at the model's MLP shape [T, H] x [H, I] for a few T (the weight
-a contiguous [in, out] matrix, as the model stores it) and at 2048^3. "ceil ms" is a step's FLOPs
-at that rate: its time if all its work were matmul at the machine's best.
+The ceiling is the best median GFLOP/s of torch.mm with the same threads,
+at the model's MLP shape [T, H] x [H, I] for a few T (the weight a
+contiguous [in, out] matrix, as the model stores it) and at 2048^3, in the
+dtype the model computes in (float32 for a bfloat16 model widened for the
+native kernel) and, for a bfloat16 model, in bfloat16 as well: "ceil ms" is
+a step's FLOPs at the faster of the two, its time if all its work were
+matmul at the machine's best. On CPUs without AVX512-BF16 or AMX
+(worker.cpu_has_fast_bf16) torch emulates the bfloat16 GEMM, far below the
+hardware's float32 rate; the printout says so.
+
+The floor is the other bound: the bytes a step must read over the machine's
+read bandwidth (bench/membw.py: the faster of a copy and a sum over a tensor
+4x the LLC, same threads). "wt MB" is the linear weights and LM head in the
+representation the engine reads for that row count (packed_linear.route:
+float32 panels, BF16 or GGUF block panels, oneDNN's copy or the plain
+tensor; bench/step_bytes.py), "KV MB" the K and V of every token of every
+request; "wt floor ms" and "wt+KV floor ms" are their read times, and
+"x floor" is step ms over the wt+KV floor. (Issue 18's "batch 1 at <= 2x
+the weight-read time" is printed against the weights alone.) The embedded
+model is a Q4_1 GGUF: with --gguf-blocks auto its 1-32 row steps read 96 MB
+of blocks, in either dtype; --gguf-blocks off reads the 270 MB of BF16 blocks.
+
+Context sweep: "attn GB/s" is attention's K/V read rate estimated from the
+difference to the same batch's step at the shortest context, and "of copy"
+its fraction of the copy bandwidth (read + written bytes, as
+bench.kv_read_bandwidth counts it):
+
+    attn GB/s = (KV bytes at c - KV bytes at c0) / (step at c - step at c0)
+
+(the step at c0 reads its own KV too: the extra time pays for the extra bytes
+only). The assumption: everything in a decode step but attention costs the same
+at every context (the linears, norms, rope, head and sampling see one token
+per request whatever its context), so the extra time of a longer context is
+attention reading the extra K/V. Attention's own context-independent cost
+cancels out; noise in two step times does not, so short context spans (or
+a busy machine) give a loose estimate, and a row whose step is no slower
+than the shortest context's gets none.
+
+Per dtype, the printout (forward_sweep_report.py) gives the ceiling beside
+the floor, then issue 18's targets read off the rows where the sweep has
+them: batch 64 (batch sweep) at >= 0.6 of the ceiling, batch 1 at <= 2x the
+weights' read floor, attention at >= 0.6 of the copy bandwidth (judged at the
+longest context; "unsure" where the estimate beats every read rate measured,
+which only noise in the two step times can do). They are bfloat16 targets
+for CPUs with AVX512-BF16.
+The result JSON (bench/report.py) holds every figure: per row the bytes by
+route, the floors and the attention rate; per dtype "ceiling", "bandwidth"
+and "targets".
 """
 
 from __future__ import annotations
@@ -49,11 +98,11 @@ from pathlib import Path
 
 import torch
 
-from bench import report
-from executor_svc.config import ExecutorConfig
+from bench import forward_sweep_report, membw, report, step_bytes
+from executor_svc.config import GGUF_BLOCKS, ExecutorConfig
 from executor_svc.kv_cache import GIB, bytes_per_block
 from executor_svc.model_loader import open_checkpoint
-from executor_svc.worker import Worker
+from executor_svc.worker import Worker, cpu_has_fast_bf16
 from shared.logging import configure_logging
 from shared.sampling_params import SamplingParams
 from shared.step_plan import NewRequestData, StepPlan
@@ -63,19 +112,6 @@ BLOCK_SIZE = 16
 WARMUP = 2
 GREEDY = SamplingParams(temperature=0.0)
 FIRST_TOKEN = 100  # SmolLM2's special tokens sit below this; synthetic text uses ordinary ones
-HEADERS = [
-    "dtype",
-    "sweep",
-    "batch",
-    "context",
-    "tokens",
-    "step ms",
-    "fwd ms",
-    "tok/s",
-    "GFLOP/s",
-    "ceil ms",
-    "of ceiling",
-]
 
 
 def ints(text: str) -> list[int]:
@@ -108,6 +144,13 @@ def parser() -> argparse.ArgumentParser:
         help="the executor's --cpu-gemm, for every dtype (native: packed AVX-512 kernel; torch: MKL, and for "
         "bfloat16 torch's own bf16 GEMM with bfloat16 activations)",
     )
+    p.add_argument(
+        "--gguf-blocks",
+        default="auto",
+        choices=GGUF_BLOCKS,
+        help="the executor's --gguf-blocks (auto: 1-32 rows of a GGUF model, the embedded one included, read "
+        "its Q4_1/Q8_0 blocks, and the read floor counts those; off: the float32 panels or BF16 blocks)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
     p.add_argument(
@@ -115,6 +158,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0,
         help="KV budget (0 = just what the largest row needs, computed per dtype)",
+    )
+    p.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=0,
+        help="tensor size for the bandwidth measurement (0 = 4x the last-level cache, at least 256 MiB)",
     )
     p.add_argument("--out-dir", type=Path, default=None, help=f"results folder (default {report.RESULTS_DIR})")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
@@ -158,7 +207,7 @@ class TimedModel:
 
 
 def matmul_ceiling(dtype: torch.dtype, hidden: int, intermediate: int, rounds: int) -> dict:
-    """Median GFLOP/s of torch.mm per shape (M x K x N), and the best of them."""
+    """Median GFLOP/s of torch.mm in `dtype` per shape (M x K x N), and the best of them."""
     shapes = [(t, hidden, intermediate) for t in (64, 256, 2048)] + [(2048, 2048, 2048)]
     gen = torch.Generator().manual_seed(0)
     gflops = {}
@@ -173,6 +222,25 @@ def matmul_ceiling(dtype: torch.dtype, hidden: int, intermediate: int, rounds: i
                 times.append(time.perf_counter() - t0)
         gflops[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
     return dict(gflops_by_shape=gflops, best_gflops=max(gflops.values()))
+
+
+def ceilings(worker: Worker, rounds: int) -> dict:
+    """torch.mm's ceiling in the dtype the model computes in and, for a bfloat16
+    model, in bfloat16 too; `best_gflops` is the faster one's, `best_dtype` names it."""
+    cfg = worker.model_config
+    dtypes = [worker.model.compute_dtype]
+    if worker.dtype == torch.bfloat16 and torch.bfloat16 not in dtypes:
+        dtypes.append(torch.bfloat16)
+    by_dtype = {
+        str(d).removeprefix("torch."): matmul_ceiling(d, cfg.hidden_size, cfg.intermediate_size, rounds) for d in dtypes
+    }
+    best = max(by_dtype, key=lambda d: by_dtype[d]["best_gflops"])
+    return dict(
+        by_dtype=by_dtype,
+        best_dtype=best,
+        best_gflops=by_dtype[best]["best_gflops"],
+        cpu_has_fast_bf16=cpu_has_fast_bf16(),
+    )
 
 
 def make_plan(step: int, row: dict, tokens: list[list[int]], finished: list[str]) -> StepPlan:
@@ -214,8 +282,8 @@ def time_row(worker: Worker, timed: TimedModel, row: dict, rounds: int, steps, g
     return statistics.median(step_s), statistics.median(fwd_s)
 
 
-def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress) -> tuple[dict, dict, list[dict]]:
-    """(model facts, matmul ceiling, measured rows) for one dtype."""
+def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress) -> tuple[dict, dict, dict, list]:
+    """(model facts, matmul ceiling, memory bandwidth, measured rows) for one dtype."""
     config = open_checkpoint(args.model)[0].config
     elem_dtype = getattr(torch, dtype_name)
     gib = args.kv_cache_gib or kv_gib_needed(config, elem_dtype, rows)
@@ -226,6 +294,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             kv_cache_gib=gib,
             num_threads=args.num_threads,
             cpu_gemm=args.cpu_gemm,
+            gguf_blocks=args.gguf_blocks,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
@@ -250,8 +319,9 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         layers=cfg.num_hidden_layers,
         kv_cache_gib=round(gib, 4),
     )
-    # A bfloat16 model widened for a CPU without bf16 arithmetic multiplies in float32.
-    ceiling = matmul_ceiling(worker.model.compute_dtype, cfg.hidden_size, cfg.intermediate_size, args.rounds)
+    ceiling = ceilings(worker, args.rounds)
+    bandwidth = membw.measure(args.rounds, args.bandwidth_mib * membw.MIB)
+    floor_bps = bandwidth["floor_bytes_per_s"]
 
     out, steps, gen = [], itertools.count(1), torch.Generator().manual_seed(0)
     for row in rows:
@@ -259,6 +329,10 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         tokens = row["batch"] * row["new"]
         flops = 2 * (body * tokens + head * row["batch"])
         ceil_s = flops / (ceiling["best_gflops"] * 1e9)
+        weights = step_bytes.weight_read_bytes(worker.model, tokens, row["batch"])
+        weight_bytes = sum(weights.values())
+        kv = step_bytes.kv_read_bytes(cfg, worker.kv_dtype, row["batch"], row["context"])
+        floor_s = (weight_bytes + kv) / floor_bps
         out.append(
             dict(
                 row,
@@ -271,54 +345,30 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
                 gflops=flops / step_s / 1e9,
                 ceiling_ms=ceil_s * 1e3,
                 fraction_of_ceiling=ceil_s / step_s,
+                weight_bytes=weight_bytes,
+                weight_bytes_by_route=weights,
+                kv_bytes=kv,
+                weight_floor_ms=weight_bytes / floor_bps * 1e3,
+                floor_ms=floor_s * 1e3,
+                times_floor=step_s / floor_s,
             )
         )
         progress.step()
+    add_attention_rates(out, bandwidth["copy_bytes_per_s"])
     del worker, timed
     gc.collect()  # free this dtype's weights and KV before the next loads
-    return model, ceiling, out
+    return model, ceiling, bandwidth, out
 
 
-def chart(result: dict, path: Path) -> Path:
-    plt = report._pyplot()
-    panels = [
-        ("batch", "decodes per step", f"context {result['settings']['context']}"),
-        ("context", "context (tokens)", f"batch {result['settings']['batch']}"),
-    ]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = dict(zip(result["ceiling"], ["tab:blue", "tab:orange", "tab:green", "tab:purple"]))
-    for ax, (sweep, xlabel, fixed) in zip(axes, panels):
-        for dtype, color in colors.items():
-            rows = [r for r in result["rows"] if r["sweep"] == sweep and r["dtype"] == dtype]
-            if not rows:
-                continue
-            x = [r[sweep] for r in rows]
-            ax.plot(x, [r["step_ms"] for r in rows], marker="o", color=color, label=f"{dtype} step")
-            ax.plot(
-                x,
-                [r["ceiling_ms"] for r in rows],
-                linestyle="--",
-                marker="x",
-                color=color,
-                label=f"{dtype} matmul ceiling ({result['ceiling'][dtype]['best_gflops']:.0f} GFLOP/s)",
-            )
-        ax.set_xscale("log", base=2)
-        ticks = sorted({r[sweep] for r in result["rows"] if r["sweep"] == sweep})
-        ax.set_xticks(ticks, [str(t) for t in ticks])  # plain numbers, not powers of 2
-        ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"decode step vs {sweep} ({fixed})", fontsize=10)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    m = result["machine"]
-    fig.suptitle(f"{result['model']['name']} on CPU ({m['cpu_model']}, threads: {m['torch_threads']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
-    return path
+def add_attention_rates(rows: list[dict], copy_bps: float) -> None:
+    """Context-sweep rows past the shortest context get attention's K/V read
+    rate, from the differences to the shortest context's row (module docstring)."""
+    sweep = sorted((r for r in rows if r["sweep"] == "context"), key=lambda r: r["context"])
+    for r in sweep[1:]:
+        extra_s = (r["step_ms"] - sweep[0]["step_ms"]) / 1e3
+        if extra_s > 0:
+            r["attention_bytes_per_s"] = (r["kv_bytes"] - sweep[0]["kv_bytes"]) / extra_s
+            r["attention_of_copy"] = r["attention_bytes_per_s"] / copy_bps
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -330,43 +380,26 @@ def main(argv: list[str] | None = None) -> dict:
     result["command"] = "python -m bench.forward_sweep " + " ".join(argv)  # not a `python -m bench` suite
     result["settings"] = {k: v for k, v in vars(args).items() if k != "out_dir"}
     result["flops_formula"] = "2 * (non_embedding_params * tokens + vocab * hidden * sampled_tokens)"
-    result["ceiling"], result["rows"] = {}, []
+    result["ceiling"], result["bandwidth"], result["rows"] = {}, {}, []
     progress = report.Progress(f"[{SUITE}]", len(rows) * len(dtypes))
     for dtype_name in dtypes:
-        result["model"], result["ceiling"][dtype_name], measured = run_dtype(args, dtype_name, rows, progress)
+        model, result["ceiling"][dtype_name], result["bandwidth"][dtype_name], measured = run_dtype(
+            args, dtype_name, rows, progress
+        )
+        result["model"] = model
         result["rows"] += measured
     result["machine"]["torch_threads"] = torch.get_num_threads()  # as the Worker set them, not as at the start
+    result["targets"] = {
+        d: forward_sweep_report.issue_18_targets([r for r in result["rows"] if r["dtype"] == d]) for d in dtypes
+    }
 
     print(
         f"{result['model']['name']}: {result['model']['non_embedding_params'] / 1e6:.1f}M non-embedding "
         f"params + {result['model']['head_params'] / 1e6:.1f}M LM head; threads {torch.get_num_threads()}; "
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
     )
-    for dtype, c in result["ceiling"].items():
-        shapes = ", ".join(f"{s} {g:.0f}" for s, g in c["gflops_by_shape"].items())
-        print(f"matmul ceiling {dtype}: {c['best_gflops']:.1f} GFLOP/s (torch.mm M x K x N: {shapes})")
-    print(
-        report.format_table(
-            HEADERS,
-            [
-                [
-                    r["dtype"],
-                    r["sweep"],
-                    r["batch"],
-                    r["context"],
-                    r["tokens"],
-                    r["step_ms"],
-                    r["forward_ms"],
-                    r["tokens_per_s"],
-                    r["gflops"],
-                    r["ceiling_ms"],
-                    r["fraction_of_ceiling"],
-                ]
-                for r in result["rows"]
-            ],
-        )
-    )
-    report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
+    forward_sweep_report.print_summary(result)
+    report.save(result, SUITE, args.out_dir, None if args.no_chart else forward_sweep_report.chart)
     return result
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from bench.membw import copy_bandwidth
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import CpuAttentionBackend
 from executor_svc.attention.reference import make_batch
@@ -44,19 +45,6 @@ from executor_svc.native_signatures import bind
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 MIN_BYTES = 256 << 20
-
-
-def copy_bandwidth(rounds: int) -> float:
-    """Bytes read + written per second by a 512 MiB tensor copy, median of `rounds`."""
-    src = torch.ones(128 << 20, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return 2 * src.numel() * 4 / statistics.median(times)
 
 
 def baseline_backend(rev: str, folder: str):

@@ -278,6 +278,8 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
                 "1",
                 "--num-threads",
                 "1",
+                "--bandwidth-mib",
+                "16",
                 "--out-dir",
                 str(tmp_path / "out"),
             ]
@@ -299,9 +301,27 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
     assert m["head_params"] == head and m["non_embedding_params"] == sum(p.numel() for p in hf.parameters()) - head
     assert r["rows"][-1]["flops"] == 2 * (m["non_embedding_params"] * 32 + head * 2)  # the head on sampled rows only
     assert r["ceiling"]["float32"]["best_gflops"] > 0
+    bandwidth = r["bandwidth"]["float32"]["floor_bytes_per_s"]
+    assert bandwidth > 0
+    kv_per_token = 2 * hf.config.num_hidden_layers * (hf.config.hidden_size // 2) * 4  # K+V of 2 KV heads of 4
     for row in r["rows"]:
         assert 0 < row["forward_ms"] <= row["step_ms"]
         assert row["fraction_of_ceiling"] == pytest.approx(row["ceiling_ms"] / row["step_ms"])
+        assert row["weight_bytes"] == sum(row["weight_bytes_by_route"].values()) > 0
+        assert row["kv_bytes"] == row["batch"] * row["context"] * kv_per_token
+        assert row["floor_ms"] == pytest.approx((row["weight_bytes"] + row["kv_bytes"]) / bandwidth * 1e3)
+        assert 0 < row["weight_floor_ms"] < row["floor_ms"]
+        assert row["times_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"])
+    # Float32 weights: MKL's at one row, the kernel's panels (padded to whole panels) from two.
+    assert set(r["rows"][0]["weight_bytes_by_route"]) <= {"torch"}
+    assert (
+        r["rows"][1]["weight_bytes"]
+        >= r["rows"][0]["weight_bytes"]
+        == 4 * (m["non_embedding_params"] + head) - 4 * (2 * hf.config.num_hidden_layers + 1) * hf.config.hidden_size
+    )  # less the norms, which step_bytes leaves out
+    assert r["targets"]["float32"]["batch_1_x_weight_floor"] == pytest.approx(
+        r["rows"][0]["step_ms"] / r["rows"][0]["weight_floor_ms"]
+    )
 
 
 def test_vllm_ratio_is_the_median_of_per_round_ratios():
