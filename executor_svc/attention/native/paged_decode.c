@@ -217,13 +217,6 @@ static inline __attribute__((always_inline)) void decode_heads(
      * accumulators of the KV head being processed live in registers; between
      * KV heads they wait in acc_mem (L1). */
     float qs[MAX_ITEM_HEADS][128], p[8][CHUNK], m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
-    /* A bfloat16 K slice (this chunk, this KV head) widened once into L1 and
-     * read from there by each of the G query heads, which otherwise widened
-     * every K value G times: the same float32 values in the same FMA order,
-     * so outputs are unchanged bit for bit. With G = 1 there is nothing to
-     * share, and float32 K needs no widening. */
-    const int stage_k = bf16 && G > 1;
-    float kw[CHUNK][128] __attribute__((aligned(64)));
     __m512 acc_mem[MAX_ITEM_HEADS][8];
     for (int hh = 0; hh < kv_count * G; hh++) {
         const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
@@ -254,10 +247,6 @@ static inline __attribute__((always_inline)) void decode_heads(
             for (int h = 0; h < G; h++)
 #pragma GCC unroll 8
                 for (int c = 0; c < NC; c++) acc[h][c] = acc_mem[kv * G + h][c];
-            if (stage_k)
-                for (int j = 0; j < CHUNK; j++)
-#pragma GCC unroll 8
-                    for (int c = 0; c < NC; c++) _mm512_store_ps(kw[j] + 16 * c, load16(k_cache, rows[j] + off + 16 * c, 1));
 #pragma GCC unroll 8
             for (int h = 0; h < G; h++) {
                 const int hh = kv * G + h;
@@ -269,9 +258,7 @@ static inline __attribute__((always_inline)) void decode_heads(
                     const __m512 qc = _mm512_loadu_ps(qs[hh] + 16 * c);
 #pragma GCC unroll 16
                     for (int j = 0; j < CHUNK; j++)
-                        part[j] = _mm512_fmadd_ps(
-                            qc, stage_k ? _mm512_load_ps(kw[j] + 16 * c) : load16(k_cache, rows[j] + off + 16 * c, bf16),
-                            part[j]);
+                        part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + off + 16 * c, bf16), part[j]);
                 }
                 const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
                 const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[hh] ? s_max : m[hh];
