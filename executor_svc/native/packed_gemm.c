@@ -181,6 +181,10 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  *
  *     panel p:   [expand k 0..63 | tiles] [expand k 64..127 | tiles] ...
  *     panel p+1:  prefetch 0..63           prefetch 64..127           ...
+ *
+ * Up to FUSED_MAX_ROWS rows skip the buffer (fused_blocks.h): there its
+ * store and reload cost more than the arithmetic, so each block is widened
+ * in registers straight into the FMAs, same chain, same bits.
  */
 #define QK 32          /* k per GGUF block */
 #define KC (2 * QK)    /* k per expanded slice */
