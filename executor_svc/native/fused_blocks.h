@@ -2,14 +2,15 @@
  * 1..FUSED_MAX_ROWS rows, each block's weights are widened in registers and
  * multiplied straight into the accumulators, with no float32 buffer between.
  *
- * Why: at a few rows the block path is memory bound, and its expansion
- * buffer costs more than the arithmetic: every 16 weights are widened,
- * stored to L1 and loaded back for one FMA per row (measured at one row:
- * ~12 cycles per 16 weights, the DRAM stream at half a core's rate). Here
- * the same 16 weights cost their widening and one FMA per row, no store.
- * Past a few rows the per-tile widening (repeated for every row tile, where
- * the buffer's is shared by all the tiles of a chunk) and the register
- * pressure (3 x rows accumulators beside 6 scale vectors) undo the gain.
+ * Why: at a few rows the block path ought to wait on DRAM, but its
+ * expansion buffer cost more than the arithmetic: every 16 weights were
+ * widened, stored to L1 and loaded back for one FMA per row. Here the same
+ * 16 weights cost their widening and one FMA per row, no store: in cache,
+ * 2.0-2.7 cycles per 16 weights at one row instead of 4-5.5, and SmolLM2's
+ * GGUF blocks read 1.2-1.3x faster at 1-4 rows (docs/optimization_log.md).
+ * Past 4 rows the register pressure (3 x rows accumulators beside Q4_1's 6
+ * scale vectors), or widening each block once per 4-row pass, lost to the
+ * buffer for Q4_1 (measured at 5-8 rows), so FUSED_MAX_ROWS is 4.
  *
  * Same results bit for bit: each output is still one FMA chain from its
  * bias (or zero) over k = 0..K-1 in order, fma(x_k, w_k, acc), and w_k is
