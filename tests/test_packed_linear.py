@@ -18,6 +18,7 @@ from executor_svc.packed_linear import (
     PackedWeight,
     linear,
     pack,
+    pack_bf16,
     pack_blocks,
     route,
 )
@@ -206,6 +207,47 @@ def test_block_kernel_writes_exactly_its_outputs_over_several_chunks(kind):
     )
     assert torch.equal(out[:, :n], float32_panels(x, weight, None))
     assert out[:, n:].isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "BF16"])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_few_row_block_kernel_gives_the_float32_result_bit_for_bit(kind, rows):
+    """1..FUSED_MAX_ROWS rows (fused_blocks.h) widen each block in registers,
+    more rows through the float32 buffer: both must be the float32 panels'
+    FMA chain bit for bit (the BF16 pair's even k first, Q4_1's low nibbles
+    before the high ones). N = 100 ends in a partial panel; K = 160 is five
+    blocks over three KC slices; A and C have row strides wider than K and N,
+    and C's padding must stay untouched."""
+    n, k, lda, ldc = 100, 160, 167, 103
+    gen = torch.Generator().manual_seed(rows)
+    if kind == "BF16":
+        bf16 = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        weight, blocks = bf16.float(), pack_bf16(bf16)
+    else:
+        weight, raw = quantized(kind, n, k, seed=rows)
+        blocks = pack_blocks(kind, raw)
+    x_wide, bias = torch.randn(rows, lda, generator=gen), torch.randn(n, generator=gen)
+    x = x_wide[:, :k]
+    for b in (None, bias):
+        out = torch.full((rows, ldc), float("nan"))
+        assert (
+            packed_linear.kernel().gemm_blocks(
+                out.data_ptr(),
+                ldc,
+                x_wide.data_ptr(),
+                lda,
+                blocks.data.data_ptr(),
+                BLOCK_FORMATS[kind][0],
+                None if b is None else b.data_ptr(),
+                rows,
+                n,
+                k,
+                2,
+            )
+            == 0
+        )
+        assert torch.equal(out[:, :n], float32_panels(x.contiguous(), weight, b))
+        assert out[:, n:].isnan().all()
 
 
 def test_block_kernel_rejects_what_it_cannot_read():

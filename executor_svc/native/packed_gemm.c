@@ -181,6 +181,10 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  *
  *     panel p:   [expand k 0..63 | tiles] [expand k 64..127 | tiles] ...
  *     panel p+1:  prefetch 0..63           prefetch 64..127           ...
+ *
+ * Up to FUSED_MAX_ROWS rows skip the buffer (fused_blocks.h): there its
+ * store and reload cost more than the arithmetic, so each block is widened
+ * in registers straight into the FMAs, same chain, same bits.
  */
 #define QK 32          /* k per GGUF block */
 #define KC (2 * QK)    /* k per expanded slice */
@@ -242,6 +246,8 @@ static inline void expand_block(float *buf, const uint8_t *qp, int fmt, const ch
     }
 }
 
+#include "fused_blocks.h"
+
 static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
                         const float *bias, int M, int N, int K, int num_threads)
 {
@@ -263,6 +269,11 @@ static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, cons
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const uint8_t *panel = blocks + p * panel_bytes;
             const int prefetch = it + 1 < end && p + 1 < panels;
+            if (M <= FUSED_MAX_ROWS) {
+                fused_rows(M, fmt, c + p * NR, ldc, a, lda, panel, bias ? bias + p * NR : 0, K, ncols,
+                           prefetch ? panel_bytes : 0);
+                continue;
+            }
             for (int k0 = 0; k0 < K; k0 += KC) {
                 const int kc = K - k0 < KC ? K - k0 : KC;
                 for (int kb = k0; kb < k0 + kc; kb += QK) {
