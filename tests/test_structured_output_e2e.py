@@ -72,9 +72,12 @@ schemas = st.recursive(leaf, lambda children: _object(children) | _array(childre
 
 @pytest.fixture(scope="module")
 def servers():
-    # ~0.03 GiB of KV (about 40 blocks of 16) and 64-token chunks: bursts preempt and recompute.
+    # ~0.03 GiB of float32 KV (about 40 blocks of 16) and 64-token chunks: bursts preempt and
+    # recompute. float32, not --dtype auto: where auto picks bfloat16 (CPUs with AVX512-BF16)
+    # the same budget holds twice the blocks and nothing preempts, and a recomputed stream is
+    # only likely to match an uninterrupted one in float32 (docs/determinism.md).
     with Servers(
-        executor_args=["--kv-cache-gib", "0.03"],
+        executor_args=["--dtype", "float32", "--kv-cache-gib", "0.03"],
         scheduler_args=["--max-num-batched-tokens", "64", "--watermark", "0", "--executor-recovery-timeout", "300"],
     ) as s:
         yield s
