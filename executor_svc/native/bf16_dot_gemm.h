@@ -35,10 +35,8 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
     int K, int ncols, const char *pf, int pf_lines)
 {
     __mmask16 mask[NV];
-    for (int j = 0; j < NV; j++) {
-        int n = ncols - 16 * j;
-        mask[j] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-    }
+    for (int j = 0; j < NV; j++)
+        mask[j] = column_mask(ncols, j);
     __m512 acc[MR][NV];
     for (int j = 0; j < NV; j++) {
         const __m512 init = bias ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();

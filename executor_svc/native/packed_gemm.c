@@ -51,16 +51,22 @@
 #define PREFETCH_K 8   /* prefetch the panel this many k steps ahead */
 #define PREFETCH_MAX_PANEL (384 * 1024) /* bytes; larger panels are not prefetched ahead */
 
+/* The lanes of zmm j (columns 16j .. 16j+15) that lie inside a panel's
+ * first ncols columns. */
+static inline __mmask16 column_mask(int ncols, int j)
+{
+    const int n = ncols - 16 * j;
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 static inline __attribute__((always_inline)) void tile(
     int mr, float *c_out, int64_t ldc, const float *a, int64_t lda, const float *panel, const float *bias,
     int K, int ncols, const char *pf, int pf_lines, int accumulate)
 {
     /* ncols < NR only in the last panel: masks keep bias reads and C writes inside N. */
     __mmask16 mask[NV];
-    for (int j = 0; j < NV; j++) {
-        int n = ncols - 16 * j;
-        mask[j] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-    }
+    for (int j = 0; j < NV; j++)
+        mask[j] = column_mask(ncols, j);
     __m512 acc[MR][NV];
     int pf_err = 0;
     /* accumulate: C already holds the sum over earlier k (the block path below). */
