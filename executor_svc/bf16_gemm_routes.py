@@ -22,17 +22,30 @@ of a shared machine hits all of them, and each row count goes to the
 fastest. A bf16-activation GEMM (dot, onednn) must beat the best float32
 one by BF16_MARGIN: rounding the activations costs precision (as torch's
 own bf16 models do), which a gain inside the timing noise does not buy.
+
+Timings on a shared machine are noisy, so two measurements can pick
+different routes, and routes decide how a token's sums are rounded. So the
+first measurement is stored (`stored_or_measured`) in the kernel cache,
+keyed by everything it depends on (CPU, kernel build, torch, threads, shape,
+candidates), and later starts on the same machine, an executor restarted
+after a crash among them, reuse it: two runs of the same workload compute
+the same numbers (docs/determinism.md). Deleting the file re-measures.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
 
+import structlog
 import torch
 
-from executor_svc import onednn_linear
+from executor_svc import native_build, onednn_linear
 from executor_svc.packed_linear import BLOCK_FORMATS, BLOCK_K, PackedWeight, linear, pack_bf16, pack_blocks
+from shared.private_dir import ensure_private_dir
 
 # Row counts timed: decode batches and prefill chunks fall between them, and
 # take the route of the largest one at or below them.
@@ -42,6 +55,8 @@ BF16_MARGIN = 1.05
 FLOAT32_ARITHMETIC = ("blocks", "gguf")
 
 Gemm = Callable[[torch.Tensor], object]
+Routes = tuple[tuple[int, str], ...]
+log = structlog.get_logger(__name__)
 
 
 def _random_gguf_rows(kind: str, out_features: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
@@ -108,3 +123,37 @@ def calibrate(
         if not routes or routes[-1][1] != fastest:
             routes.append((count, fastest))
     return tuple(routes), times
+
+
+def stored_or_measured(key: dict, measure: Callable[[], tuple[Routes, dict]]) -> tuple[Routes, dict, str]:
+    """(routes, times, where from): the routes stored under `key` in the kernel
+    cache if a valid file is there ("stored", no times), else `measure()`'s,
+    then stored ("measured"). A cache that cannot be used (not private, not
+    writable, a damaged file) costs a measurement, never a start."""
+    text = json.dumps(key, sort_keys=True)
+    name = f"bf16-routes-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    try:
+        path = os.path.join(ensure_private_dir(native_build.cache_dir()), name)
+    except OSError as e:
+        log.warning("bf16_routes_not_stored", reason=str(e))
+        routes, times = measure()
+        return routes, times, "measured"
+    try:
+        with open(path) as f:
+            found = json.load(f)
+        routes = tuple((int(rows), str(how)) for rows, how in found["routes"])
+        if found["key"] == key and routes and all(how in key["candidates"] for _, how in routes):
+            return routes, {}, "stored"
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("bf16_routes_file_ignored", path=path, reason=repr(e))
+    routes, times = measure()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "routes": routes, "median_us": times}, f)
+        os.replace(tmp, path)  # atomic: a concurrent start reads the old file or this one
+    except OSError as e:
+        log.warning("bf16_routes_not_stored", path=path, reason=str(e))
+    return routes, times, "measured"

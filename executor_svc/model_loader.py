@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear, weight_packing
+from executor_svc import bf16_gemm_routes, native_build, onednn_linear, packed_linear, weight_packing
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
@@ -62,19 +62,34 @@ def open_checkpoint(path: str | None):
 def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tuple[int, str], ...]:
     """Which GEMM takes each row count of the model's bf16 linears
     (bf16_gemm_routes.py), measured on its largest linear shape (gate and
-    up, one rank's share); logged with the timings it was chosen from."""
+    up, one rank's share) at the first start on this machine and stored for
+    the next; logged with the timings it was chosen from."""
     out_features = 2 * config.intermediate_size // tp_size
-    gemms = bf16_gemm_routes.candidates(
-        out_features,
-        config.hidden_size,
+    dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
+    names = ["blocks", *(["gguf"] if gguf_kind else []), *(["dot"] if dot else []), *(["onednn"] if onednn else [])]
+    key = dict(
+        kernel=native_build.build_key(packed_linear.SOURCE),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        shape=[out_features, config.hidden_size],
         gguf_kind=gguf_kind,
-        dot=packed_linear.kernel().bf16_dot_native,
-        onednn=onednn_linear.available(),
+        candidates=names,
+        rows=list(bf16_gemm_routes.CALIBRATION_ROWS),
+        margin=bf16_gemm_routes.BF16_MARGIN,
     )
-    routes, times_us = bf16_gemm_routes.calibrate(gemms, config.hidden_size)
+
+    def measure():
+        gemms = bf16_gemm_routes.candidates(
+            out_features, config.hidden_size, gguf_kind=gguf_kind, dot=dot, onednn=onednn
+        )
+        assert list(gemms) == names, f"candidates {list(gemms)} vs key {names}"
+        return bf16_gemm_routes.calibrate(gemms, config.hidden_size)
+
+    routes, times_us, source = bf16_gemm_routes.stored_or_measured(key, measure)
     log.info(
         "bf16_linear_route",
         routes=[f"{how} from {rows} rows" for rows, how in routes],
+        source=source,
         shape=[out_features, config.hidden_size],
         median_us={str(rows): t for rows, t in times_us.items()},
     )

@@ -100,6 +100,14 @@ def _source_and_headers(source: str) -> bytes:
     return read(source)
 
 
+def build_key(source: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """What a build of `source` depends on (its code and headers, flags, CPU),
+    hashed: the compiled library's name, and a key for anything measured on it."""
+    code = _source_and_headers(source)
+    flags = " ".join([*FLAGS, *extra_flags])
+    return hashlib.sha256(code + flags.encode() + _cpu_signature().encode()).hexdigest()[:16]
+
+
 def _unavailable(stem: str, reason: str, stderr: str = "") -> None:
     if REQUIRED:
         raise NativeBuildError(f"{ENV_VAR}=require: the native kernel {stem} cannot be built: {reason}\n{stderr}")
@@ -115,8 +123,7 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return _unavailable(stem, "no C compiler on PATH")
-    code = _source_and_headers(source)
-    key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = build_key(source, extra_flags)
     try:
         folder = ensure_private_dir(cache_dir())
     except OSError as e:  # NotPrivateError is one: owned by another user, or open to others

@@ -91,6 +91,8 @@ def test_worker_on_a_fast_bf16_cpu_serves_through_its_measured_routes(tmp_path, 
     monkeypatch.setattr(worker_mod, "cpu_has_fast_bf16", lambda: True)
     routes = ((1, "dot"), (32, "onednn"))
     monkeypatch.setattr(bf16_gemm_routes, "calibrate", lambda *a, **k: (routes, {}))
+    # Forced routes must not be stored where a real start would find them.
+    monkeypatch.setattr(bf16_gemm_routes, "stored_or_measured", lambda key, measure: (*measure(), "measured"))
     routed = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01))
     assert routed.dtype == torch.bfloat16 and routed.packed_gemm and routed.model.compute_dtype == torch.float32
     packed = routed.model.layers[0].packed["gate_up"]
@@ -123,3 +125,36 @@ def test_bench_times_every_candidate_and_names_a_route(monkeypatch, capsys):
         cells = line.split()
         assert int(cells[0]) == rows and cells[-1] in packed_linear.BF16_ROUTES
         assert all(float(c) > 0 for c in cells[1:-1])
+
+
+def test_routes_are_measured_once_per_key_and_reused(tmp_path, monkeypatch):
+    """The first start stores its routes; a second start with the same key
+    reuses them without timing anything (so a restarted executor rounds as
+    before), another key measures again, and a damaged file is measured over."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def measure(routes):
+        def run():
+            calls.append(routes)
+            return routes, {1: {"blocks": 1.0}}
+
+        return run
+
+    key = {"shape": [96, 64], "candidates": ["blocks", "dot"], "threads": 2}
+    first = bf16_gemm_routes.stored_or_measured(key, measure(((1, "blocks"), (8, "dot"))))
+    assert first == (((1, "blocks"), (8, "dot")), {1: {"blocks": 1.0}}, "measured")
+    (stored,) = (tmp_path / "pagedserve" / "native").glob("bf16-routes-*.json")
+    again = bf16_gemm_routes.stored_or_measured(key, measure(((1, "dot"),)))
+    assert again == (((1, "blocks"), (8, "dot")), {}, "stored") and len(calls) == 1
+    other = bf16_gemm_routes.stored_or_measured({**key, "threads": 1}, measure(((1, "dot"),)))
+    assert other[0] == ((1, "dot"),) and other[2] == "measured" and len(calls) == 2
+
+    stored.write_text("{not json")
+    assert bf16_gemm_routes.stored_or_measured(key, measure(((1, "dot"),)))[0] == ((1, "dot"),)
+    # A route the key's candidates do not name (an edited file) is not trusted either.
+    stored.write_text(
+        '{"key": {"shape": [96, 64], "candidates": ["blocks", "dot"], "threads": 2}, "routes": [[1, "onednn"]]}'
+    )
+    assert bf16_gemm_routes.stored_or_measured(key, measure(((1, "blocks"),)))[2] == "measured"
+    assert bf16_gemm_routes.stored_or_measured(key, measure(((1, "dot"),)))[0] == ((1, "blocks"),)
