@@ -34,6 +34,7 @@ the same numbers (docs/determinism.md). Deleting the file re-measures.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -48,8 +49,9 @@ from executor_svc.packed_linear import BLOCK_FORMATS, BLOCK_K, PackedWeight, lin
 from shared.private_dir import ensure_private_dir
 
 # Row counts timed: decode batches and prefill chunks fall between them, and
-# take the route of the largest one at or below them.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# take the route of the largest one at or below them (2,048: a full prefill
+# chunk, so that no route is extrapolated to one).
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 # How much faster (median) a GEMM on bf16-rounded activations must be.
 BF16_MARGIN = 1.05
 FLOAT32_ARITHMETIC = ("blocks", "gguf")
@@ -129,15 +131,24 @@ def stored_or_measured(key: dict, measure: Callable[[], tuple[Routes, dict]]) ->
     """(routes, times, where from): the routes stored under `key` in the kernel
     cache if a valid file is there ("stored", no times), else `measure()`'s,
     then stored ("measured"). A cache that cannot be used (not private, not
-    writable, a damaged file) costs a measurement, never a start."""
+    writable, a damaged file) costs a measurement, never a start. Processes
+    starting together (tensor-parallel ranks on one host) take turns under a
+    file lock, so one measures, on quiet cores, and the others read its routes."""
     text = json.dumps(key, sort_keys=True)
     name = f"bf16-routes-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     try:
         path = os.path.join(ensure_private_dir(native_build.cache_dir()), name)
+        lock = open(f"{path}.lock", "a")  # noqa: SIM115 (held until the routes are stored)
     except OSError as e:
         log.warning("bf16_routes_not_stored", reason=str(e))
         routes, times = measure()
         return routes, times, "measured"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _stored_or_measured(key, measure, path)
+
+
+def _stored_or_measured(key: dict, measure: Callable[[], tuple[Routes, dict]], path: str) -> tuple[Routes, dict, str]:
     try:
         with open(path) as f:
             found = json.load(f)

@@ -68,7 +68,9 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
     names = ["blocks", *(["gguf"] if gguf_kind else []), *(["dot"] if dot else []), *(["onednn"] if onednn else [])]
     key = dict(
+        version=1,  # of this key and of calibrate's method
         kernel=native_build.build_key(packed_linear.SOURCE),
+        cpus=os.cpu_count(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         shape=[out_features, config.hidden_size],
@@ -102,7 +104,7 @@ def _gguf_kind(checkpoint, gguf_blocks: bool) -> str | None:
     if not gguf_blocks or not isinstance(checkpoint, GGUFCheckpoint):
         return None
     found = checkpoint.blocks("model.layers.0.mlp.gate_proj.weight")
-    return None if found is None else found[0]
+    return found[0] if found is not None and found[0] in ("Q4_1", "Q8_0") else None
 
 
 def load_model(

@@ -158,3 +158,38 @@ def test_routes_are_measured_once_per_key_and_reused(tmp_path, monkeypatch):
     )
     assert bf16_gemm_routes.stored_or_measured(key, measure(((1, "blocks"),)))[2] == "measured"
     assert bf16_gemm_routes.stored_or_measured(key, measure(((1, "dot"),)))[0] == ((1, "blocks"),)
+
+
+def _start_concurrently(cache: str, mine: tuple, out) -> None:
+    """A second executor starting at the same moment (a forked process)."""
+    import os
+    import time
+
+    os.environ["XDG_CACHE_HOME"] = cache
+
+    def measure():
+        time.sleep(0.5)  # long enough for the other process to arrive while this one measures
+        return mine, {}
+
+    routes, _, source = bf16_gemm_routes.stored_or_measured({"k": 1, "candidates": ["blocks", "dot"]}, measure)
+    out.put((routes, source))
+
+
+def test_processes_starting_together_share_one_measurement(tmp_path):
+    """Two tensor-parallel ranks on one host: one measures, the other waits for
+    its routes instead of measuring (and picking others) at the same time."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_start_concurrently, args=(str(tmp_path), mine, out))
+        for mine in (((1, "blocks"),), ((1, "dot"),))
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert sorted(source for _, source in results) == ["measured", "stored"]
+    assert results[0][0] == results[1][0]

@@ -332,7 +332,10 @@ static inline __attribute__((always_inline)) __m512 dot_emulated(__m512 acc, __m
 #undef DOT_TARGET
 #undef DOT
 
-#if defined(__GNUC__) && (__GNUC__ >= 10 || defined(__clang__))
+/* gcc only (the compiler native_build looks for): an older clang may lack
+ * "avx512bf16" in __builtin_cpu_supports, and failing here would lose the
+ * whole library, not just this kernel. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #define HAVE_NATIVE_DOT 1
 #define DOT_NAME(x) x##_dot_native
 #define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
