@@ -86,14 +86,7 @@ def main(argv=None) -> None:
                     runs[n].append(time.perf_counter() - start)
         median = {n: statistics.median(r) for n, r in runs.items()}
         # The routes' rule, over these medians (torch is no route).
-        routed = {n: t for n, t in median.items() if n != "torch"}
-        best32 = min((n for n in routed if n in bf16_gemm_routes.FLOAT32_ARITHMETIC), key=routed.__getitem__)
-        pick = min(routed, key=routed.__getitem__)
-        if (
-            pick not in bf16_gemm_routes.FLOAT32_ARITHMETIC
-            and routed[pick] * bf16_gemm_routes.BF16_MARGIN > routed[best32]
-        ):
-            pick = best32
+        pick = bf16_gemm_routes.winner({n: t for n, t in median.items() if n != "torch"})
         cells = " ".join(f"{median[n] * 1e3:>11.2f}" for n in names)
         print(f"{rows:>6} {cells}  {flops_per_row * rows / min(median.values()) / 1e9:>12.1f}  {pick}")
 

@@ -73,6 +73,22 @@ def _random_gguf_rows(kind: str, out_features: int, in_features: int, gen: torch
     return rows
 
 
+def candidate_names(*, gguf_kind: str | None, dot: bool, onednn: bool) -> list[str]:
+    """The GEMMs `candidates` builds, in its order: what a stored measurement's key names."""
+    return ["blocks", *(["gguf"] if gguf_kind else []), *(["dot"] if dot else []), *(["onednn"] if onednn else [])]
+
+
+def winner(median: dict[str, float]) -> str:
+    """The GEMM a row count goes to, from each one's median time: the fastest,
+    unless it rounds activations to bf16 and beats the best float32-arithmetic
+    one by less than BF16_MARGIN."""
+    best = min((n for n in median if n in FLOAT32_ARITHMETIC), key=median.__getitem__)
+    fastest = min(median, key=median.__getitem__)
+    if fastest not in FLOAT32_ARITHMETIC and median[fastest] * BF16_MARGIN > median[best]:
+        return best
+    return fastest
+
+
 def candidates(
     out_features: int, in_features: int, *, gguf_kind: str | None, dot: bool, onednn: bool, seed: int = 0
 ) -> dict[str, Gemm]:
@@ -118,10 +134,7 @@ def calibrate(
                     runs[name].append(clock() - start)
         median = {name: sorted(r)[reps // 2] for name, r in runs.items()}
         times[count] = {name: round(t * 1e6, 1) for name, t in median.items()}
-        best = min((n for n in median if n in FLOAT32_ARITHMETIC), key=median.__getitem__)
-        fastest = min(median, key=median.__getitem__)
-        if fastest not in FLOAT32_ARITHMETIC and median[fastest] * BF16_MARGIN > median[best]:
-            fastest = best
+        fastest = winner(median)
         if not routes or routes[-1][1] != fastest:
             routes.append((count, fastest))
     return tuple(routes), times

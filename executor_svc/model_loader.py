@@ -66,7 +66,7 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     the next; logged with the timings it was chosen from."""
     out_features = 2 * config.intermediate_size // tp_size
     dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
-    names = ["blocks", *(["gguf"] if gguf_kind else []), *(["dot"] if dot else []), *(["onednn"] if onednn else [])]
+    names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
     key = dict(
         version=1,  # of this key and of calibrate's method
         kernel=native_build.build_key(packed_linear.SOURCE),
