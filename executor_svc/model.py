@@ -56,6 +56,7 @@ vocab-parallel head would save memory for large vocabularies).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,9 @@ from executor_svc.layer_ops import Kernels, swiglu
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import PackedWeight
 from executor_svc.rope import apply_rope, rope_cache
+
+if TYPE_CHECKING:
+    from executor_svc.decoder_stack import DecoderStack
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -239,15 +243,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        stack: DecoderStack | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-normed hidden states [T, hidden].
 
         The caller runs attn_backend.prepare(meta) once per step before this.
+        `stack` (built over these kv_caches) runs the layers in one native
+        call where it takes the step, with the same result (decoder_stack.py).
         """
         assert len(kv_caches) == len(self.layers), f"got {len(kv_caches)} KV caches for {len(self.layers)} layers"
         cos = self.rope_cos[positions]
         sin_signed = self.rope_sin_signed[positions]
         h, delta = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype), None
+        if stack is not None and (out := stack.forward(h, cos, sin_signed, meta)) is not None:
+            return out
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cos, sin_signed, kv_cache, meta)
         return self.kernels.add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)

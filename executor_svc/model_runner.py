@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionMetadata
+from executor_svc.decoder_stack import DecoderStack
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
 from executor_svc.sampler import Sampler, build_sampling_metadata
@@ -69,6 +70,8 @@ class ModelRunner:
         self.num_blocks = kv_caches[0][0].shape[0]
         self.sampler = sampler or Sampler()
         self.table = RequestTable(block_size, self.num_blocks, vocab_size)
+        # The layers of decode steps in one native call where this model and cache allow it.
+        self.stack = DecoderStack.build(model, kv_caches) if device.type == "cpu" else None
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -163,7 +166,7 @@ class ModelRunner:
         if not batch.rows:
             return result
         with tp.fatal_on_error("the forward pass") if tp else contextlib.nullcontext():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.stack)
         self.table.mark_computed(batch)
         states = batch.sampling_states
         if not states:
@@ -230,7 +233,7 @@ class ModelRunner:
         # Laid out exactly as a real step would be.
         input_ids, positions, meta, cu = self.prepare_inputs(batch)
         self.attn_backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.stack)
         if self.tp is None or self.tp.is_driver:
             logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:] - 1, device=self.device)])
             # Equal logits put top-p's nucleus beyond its candidate tokens (in

@@ -50,6 +50,11 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,"
         " const float *bias, int M, int N, int K, int native, int num_threads)",
     ),
+    "native/decoder_stack.c": (
+        "int64_t decoder_stack_scratch_floats(const ds_model *m, int64_t tokens)",
+        "int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_step *s)",
+        "int64_t decoder_stack_layout(const char *name)",
+    ),
     "attention/native/paged_decode.c": (
         "int paged_decode_attention(void *out, int64_t out_tok_stride, int64_t out_head_stride,"
         " const void *q, int64_t q_tok_stride, int64_t q_head_stride,"

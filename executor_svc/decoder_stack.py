@@ -1,0 +1,296 @@
+"""The decoder stack of a decode step in one native call (native/decoder_stack.c).
+
+A decode step of a small model is mostly dispatch: the embedded SmolLM2's 30
+layers cost ~300 kernel calls from Python a step, each 15-30 us of Python,
+ctypes and allocation around a few microseconds of work. `DecoderStack`
+hands the native driver the addresses of the same kernels the Python path
+calls, the model's packed weights and the KV cache once, and per step the
+step's tensors; the driver runs every layer and the final norm in
+DecoderLayer.forward's order. The result is the Python path's bit for bit
+(tests/test_decoder_stack.py), so nothing else changes: default and
+--deterministic modes, routes, logging.
+
+Where it applies (`DecoderStack.build` says None otherwise, and
+`DecoderStack.forward` returns None for a step it does not take):
+- CPU, one rank, the native CPU attention backend, float32 activations
+  (a float32 model, or a bfloat16 one widened to float32), a float32 or
+  bfloat16 KV cache, the native fused ops and packed GEMM built;
+- a step whose every query token is a decode item of the attention kernel
+  (no prefill chunk; in --deterministic mode every step qualifies);
+- every linear routed, at the step's row count, to the packed kernel
+  (panels, blocks, or the BF16 blocks' dot loop: packed_linear.route), not
+  to MKL or oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from executor_svc import fused_ops
+from executor_svc.layer_ops import Kernels
+from executor_svc.native_build import load_library
+from executor_svc.packed_linear import BLOCK_FORMATS, kernel, route
+
+if TYPE_CHECKING:
+    from executor_svc.attention.metadata import AttentionMetadata
+    from executor_svc.model import KVCache, LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "native", "decoder_stack.c")
+LINEARS = ("qkv", "o", "gate_up", "down")
+_PANELS, _BLOCKS, _DOT = 0, 1, 2  # ds_linear.route
+_VP, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+# Mirrors of decoder_stack.c's structs, field for field (checked on load).
+class _Linear(ctypes.Structure):
+    _fields_ = [("weights", _VP), ("bias", _VP), ("route", _I64), ("fmt", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _VP), ("post_norm", _VP), ("k_cache", _VP), ("v_cache", _VP)] + [
+        (name, _Linear) for name in LINEARS
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        (name, _VP)
+        for name in (
+            "gemm_panels",
+            "gemm_blocks",
+            "gemm_bf16_dot",
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "kv_write_bf16",
+            "attention",
+        )
+    ]
+    _fields_ += [("final_norm", _VP)]
+    _fields_ += [
+        (name, _I64)
+        for name in (
+            "num_layers",
+            "hidden",
+            "inter",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "kv_bf16",
+            "bf16_dot_native",
+            "num_slots",
+        )
+    ]
+    _fields_ += [("eps", _F64), ("scale", _F64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        (name, _VP)
+        for name in ("h", "out", "scratch", "cos", "sin_signed", "slots", "block_tables", "seq_lens", "tokens")
+    ]
+    _fields_ += [("seq_index", _VP)]
+    _fields_ += [(name, _I64) for name in ("num_tokens", "table_stride", "max_seq_len", "num_threads")]
+
+
+# Each mirror by its C name.
+MIRRORS = {"ds_linear": _Linear, "ds_layer": _Layer, "ds_model": _Model, "ds_step": _Step}
+
+
+def layout_differences(lib: ctypes.CDLL, mirrors: dict[str, type[ctypes.Structure]]) -> list[str]:
+    """Where `mirrors` differ from decoder_stack.c's structs (sizes, field
+    offsets by name, the number of names); empty where they agree."""
+    checks = []
+    for c_name, mirror in mirrors.items():
+        checks.append((c_name, ctypes.sizeof(mirror)))
+        checks += [(f"{c_name}.{field}", getattr(mirror, field).offset) for field, _ in mirror._fields_]
+    diffs = []
+    for name, value in checks:
+        c_value = lib.decoder_stack_layout(name.encode())
+        if c_value != value:
+            diffs.append(f"{name}: C {c_value}, ctypes {value}")
+    if lib.decoder_stack_layout(None) != len(checks):
+        diffs.append(f"C knows {lib.decoder_stack_layout(None)} names, the mirrors {len(checks)}")
+    return diffs
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    lib = load_library(SOURCE)
+    if lib is None:
+        return None
+    diffs = layout_differences(lib, MIRRORS)
+    assert not diffs, f"decoder_stack.c's structs and their ctypes mirrors differ: {diffs}"
+    return lib
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecoderStack:
+    """The model's decoder layers as one native call, for one KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], lib: ctypes.CDLL):
+        self._lib, self._model_ref, self._kv = lib, model, kv_caches
+        self._backend = model.attn_backend
+        cfg, first = model.config, model.layers[0]
+        k_cache = kv_caches[0][0]
+        gemm, f32 = kernel(), fused_ops._LIBRARIES[torch.float32]()
+        bf16 = k_cache.dtype == torch.bfloat16
+        self._model = _Model(
+            gemm_panels=_address(gemm.gemm),
+            gemm_blocks=_address(gemm.gemm_blocks),
+            gemm_bf16_dot=_address(gemm.gemm_bf16_dot),
+            rms_norm=_address(f32.rms_norm_f32),
+            rope=_address(f32.rope_f32),
+            silu_mul=_address(f32.silu_mul_f32),
+            kv_write_bf16=_address(fused_ops._LIBRARIES[torch.bfloat16]().kv_write_bf16) if bf16 else None,
+            attention=_address(self._backend._kernel),
+            final_norm=model.norm.data_ptr(),
+            num_layers=len(model.layers),
+            hidden=cfg.hidden_size,
+            inter=first.down_weight.shape[1],
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            block_size=k_cache.shape[1],
+            kv_bf16=int(bf16),
+            bf16_dot_native=int(gemm.bf16_dot_native),
+            num_slots=k_cache.shape[0] * k_cache.shape[1],
+            eps=cfg.rms_norm_eps,
+            scale=first.scale,
+        )
+        self._layers: dict[int, ctypes.Array | None] = {}  # by row count: None where a route is not native
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
+        """A stack for `model` over `kv_caches`, or None where the driver cannot run them (see the module doc)."""
+        from executor_svc.attention.cpu_backend import CpuAttentionBackend
+
+        k_cache = kv_caches[0][0] if kv_caches else None
+        f32 = fused_ops._LIBRARIES[torch.float32]()
+        usable = (
+            k_cache is not None
+            and k_cache.device.type == "cpu"
+            and model.tp_size == 1
+            and isinstance(model.attn_backend, CpuAttentionBackend)
+            and model.compute_dtype == torch.float32
+            and model.kernels == Kernels()
+            and all(layer.kernels == Kernels() for layer in model.layers)
+            and kernel() is not None
+            and f32 is not None
+            and f32.silu_mul_f32(None, 0, None, 0, 0, 0, 1) == 0  # 0 = its vector path is built
+            and (
+                k_cache.dtype == torch.float32
+                or (k_cache.dtype == torch.bfloat16 and fused_ops._LIBRARIES[torch.bfloat16]() is not None)
+            )
+            and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+        )
+        lib = _lib() if usable else None
+        if lib is None:
+            log.info("decoder_stack", path="python")
+            return None
+        log.info("decoder_stack", path="native", applies_to="steps of decodes only, on packed routes")
+        return DecoderStack(model, kv_caches, lib)
+
+    def _same_kernels(self) -> bool:
+        """Whether the Python path would still call the kernels this stack calls:
+        tests and bench.fused_ops_ab swap Kernels or switch fused libraries off."""
+        return (
+            self._model_ref.kernels == Kernels()
+            and fused_ops._LIBRARIES[torch.float32]() is not None
+            and (not self._model.kv_bf16 or fused_ops._LIBRARIES[torch.bfloat16]() is not None)
+        )
+
+    def _layers_for(self, rows: int) -> ctypes.Array | None:
+        """The layer table for `rows` rows: None where some linear does not take a panels or blocks route."""
+        if rows not in self._layers:
+            table = (_Layer * len(self._model_ref.layers))()
+            for entry, layer, (k_cache, v_cache) in zip(table, self._model_ref.layers, self._kv, strict=True):
+                entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+                for name in LINEARS:
+                    packed = layer.packed.get(name)
+                    how = route(rows, packed)
+                    bias = layer.qkv_bias if name == "qkv" else None
+                    if how == "panels":
+                        setattr(entry, name, _Linear(packed.panels.data_ptr(), _ptr(bias), _PANELS, 0))
+                    elif how in ("blocks", "gguf"):
+                        blocks = packed.blocks if how == "blocks" else packed.gguf
+                        fmt = BLOCK_FORMATS[blocks.kind][0]
+                        setattr(entry, name, _Linear(blocks.data.data_ptr(), _ptr(bias), _BLOCKS, fmt))
+                    elif how == "dot":
+                        setattr(entry, name, _Linear(packed.blocks.data.data_ptr(), _ptr(bias), _DOT, 0))
+                    else:
+                        table = None
+                        break
+                if table is None:
+                    break
+            self._layers[rows] = table
+        return self._layers[rows]
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The final-normed hidden states [T, hidden] of the layers run over the
+        embedded tokens `h` (updated in place, as the Python path updates it),
+        or None, having done nothing, for a step the driver does not take."""
+        plan = meta.extra.get(self._backend.name)
+        if plan is None or plan.has_prefills or plan.decodes is None or not self._same_kernels():
+            return None
+        rows = h.shape[0]
+        layers = self._layers_for(rows)
+        if layers is None:
+            return None
+        assert h.dtype == torch.float32 and h.is_contiguous(), f"h {h.dtype} {h.stride()}"
+        cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        d = plan.decodes
+        if d.block_tables is not None:  # batch-invariant items: their own rows and lengths
+            tables, seq_lens = d.block_tables, d.seq_lens
+        else:
+            tables = meta.block_tables.to(torch.int32)
+            seq_lens = meta.seq_lens.to(torch.int32)
+        assert tables.stride(1) == 1 and seq_lens.is_contiguous() and meta.slot_mapping.dtype == torch.int64
+        slots = meta.slot_mapping.contiguous()
+        need = self._lib.decoder_stack_scratch_floats(ctypes.byref(self._model), rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        out = torch.empty_like(h)
+        step = _Step(
+            h=h.data_ptr(),
+            out=out.data_ptr(),
+            scratch=self._scratch.data_ptr(),
+            cos=cos.data_ptr(),
+            sin_signed=sin_signed.data_ptr(),
+            slots=slots.data_ptr(),
+            block_tables=tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(),
+            tokens=d.tokens.data_ptr(),
+            seq_index=d.seq_index.data_ptr(),
+            num_tokens=rows,
+            table_stride=tables.stride(0),
+            max_seq_len=d.max_seq_len,
+            num_threads=torch.get_num_threads(),
+        )
+        status = self._lib.decoder_stack_forward(ctypes.byref(self._model), layers, ctypes.byref(step))
+        if status == -2:
+            raise IndexError(f"a KV slot outside the cache's {self._model.num_slots}: {slots.tolist()}")
+        if status == -3:
+            raise MemoryError("native decode attention could not allocate its scratch buffers")
+        assert status == 0, f"decoder_stack_forward returned {status}"
+        return out

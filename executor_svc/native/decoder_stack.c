@@ -1,0 +1,237 @@
+/* The decoder stack of a decode step in one native call.
+ *
+ * Why: a decode step of a small model is mostly dispatch. At batch 1 the
+ * embedded SmolLM2-135M's 30 layers make ~300 kernel calls from Python
+ * (norms, four GEMMs, rope, the K/V write, attention, SiLU*mul a layer), and
+ * each cost 15-30 us of Python, ctypes and torch allocation around a few
+ * microseconds of work: about 7 ms of a 15 ms step (docs/optimization_log.md).
+ * Here one call runs them all, in DecoderLayer.forward's order, through the
+ * very kernels the Python path calls (their addresses in `ds_model`), on the
+ * same inputs: the outputs are the Python path's bit for bit, which
+ * tests/test_decoder_stack.py checks.
+ *
+ * Scope (decoder_stack.py decides, per step): float32 activations, a float32
+ * or bfloat16 KV cache, every linear on a packed route (GGUF or BF16 blocks:
+ * packed_gemm_quant; float32 panels: packed_gemm; the BF16 blocks' dot
+ * kernel: packed_gemm_bf16_dot), and every query token a
+ * decode item of paged_decode_attention (decode-only steps, and every step of
+ * --deterministic, whose prefill tokens are decode items too). Anything else
+ * runs layer by layer in Python.
+ *
+ * The structs below are mirrored by ctypes Structures in decoder_stack.py;
+ * decoder_stack_layout() reports each struct's size and each field's offset
+ * by name, so the mirrors are checked when the library loads.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*gemm_panels_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const float *packed,
+                              const float *bias, int M, int N, int K, int num_threads);
+typedef int (*gemm_blocks_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                              const float *bias, int M, int N, int K, int num_threads);
+typedef int (*gemm_bf16_dot_fn)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                const float *bias, int M, int N, int K, int native, int num_threads);
+typedef void (*rms_norm_fn)(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,
+                            int64_t ld_delta, const float *w, int rows, int dim, float eps, int num_threads);
+typedef void (*rope_fn)(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const float *sin_signed,
+                        int64_t ld_cs, int tokens, int heads, int dim, int num_threads);
+typedef int (*silu_mul_fn)(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter,
+                           int num_threads);
+typedef int (*kv_write_bf16_fn)(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,
+                                int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok,
+                                int64_t ld_v_head, int src_f32, const int64_t *slots, int tokens, int heads,
+                                int dim);
+typedef int (*decode_attention_fn)(void *out, int64_t out_tok_stride, int64_t out_head_stride, const void *q,
+                                   int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
+                                   const void *v_cache, int bf16, const int32_t *block_tables,
+                                   int64_t block_table_stride, const int32_t *seq_lens, const int64_t *tokens,
+                                   const int64_t *out_rows, const int32_t *seq_index, int num_decodes,
+                                   int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
+                                   float scale, int num_threads);
+
+enum { DS_PANELS = 0, DS_BLOCKS = 1, DS_DOT = 2 };
+
+typedef struct {
+    const void *weights; /* float32 panels (DS_PANELS) or block panels (DS_BLOCKS, DS_DOT: BF16) */
+    const float *bias;   /* or NULL */
+    int64_t route;       /* DS_PANELS, DS_BLOCKS or DS_DOT */
+    int64_t fmt;         /* packed_gemm_quant's block format (DS_BLOCKS) */
+} ds_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim], float32 or bfloat16 */
+    ds_linear qkv, o, gate_up, down;
+} ds_layer;
+
+typedef struct {
+    gemm_panels_fn gemm_panels;
+    gemm_blocks_fn gemm_blocks;
+    gemm_bf16_dot_fn gemm_bf16_dot;
+    rms_norm_fn rms_norm;
+    rope_fn rope;
+    silu_mul_fn silu_mul;
+    kv_write_bf16_fn kv_write_bf16; /* needed with a bfloat16 cache only */
+    decode_attention_fn attention;
+    const float *final_norm;
+    int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t kv_bf16;    /* the cache's dtype: 1 bfloat16, 0 float32 */
+    int64_t bf16_dot_native; /* packed_gemm_bf16_dot's `native` (VDPBF16PS, else its emulation) */
+    int64_t num_slots;  /* blocks x block_size */
+    double eps, scale;
+} ds_model;
+
+typedef struct {
+    float *h;             /* [tokens, hidden] the residual stream, updated in place */
+    float *out;           /* [tokens, hidden] the final norm's output */
+    float *scratch;       /* decoder_stack_scratch_floats(model, tokens) floats */
+    const float *cos, *sin_signed; /* [tokens, head_dim] */
+    const int64_t *slots;          /* [tokens] each token's K/V slot */
+    const int32_t *block_tables;   /* [rows, table_stride] */
+    const int32_t *seq_lens;       /* [rows] keys each item attends to */
+    const int64_t *tokens;         /* [tokens] query row of item i (= i) */
+    const int32_t *seq_index;      /* [tokens] item i's row in block_tables / seq_lens */
+    int64_t num_tokens, table_stride, max_seq_len, num_threads;
+} ds_step;
+
+/* Scratch floats one step needs, each buffer padded to 16 floats (64 bytes). */
+static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+int64_t decoder_stack_scratch_floats(const ds_model *m, int64_t tokens)
+{
+    const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    const int64_t q = m->num_heads * m->head_dim;
+    int64_t widest = m->hidden; /* the widest linear input, for its bfloat16 copy */
+    if (q > widest)
+        widest = q;
+    if (m->inter > widest)
+        widest = m->inter;
+    return pad16(tokens * m->hidden) * 3 + pad16(tokens * qkv) + pad16(tokens * q) + pad16(tokens * 2 * m->inter) +
+           pad16(tokens * m->inter) + pad16((tokens * widest + 1) / 2);
+}
+
+/* float32 -> bfloat16 bits, as torch's .to(torch.bfloat16) rounds: to
+ * nearest, ties to even; a NaN becomes 0x7FC0 (native/bf16.h's rule). */
+static uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if (f != f)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* out = x @ W^T (+ bias) through the route packed_linear.linear takes for
+ * these rows; `xb` is room for x rounded to bfloat16 (the dot route's input,
+ * as packed_linear._bf16_dot rounds it). */
+static int linear(const ds_model *m, const ds_linear *w, float *out, const float *x, uint16_t *xb, int rows, int n,
+                  int k, int threads)
+{
+    if (w->route == DS_DOT) {
+        for (int64_t i = 0; i < (int64_t)rows * k; i++)
+            xb[i] = to_bf16(x[i]);
+        return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads);
+    }
+    if (w->route == DS_BLOCKS)
+        return m->gemm_blocks(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
+    return m->gemm_panels(out, n, x, k, w->weights, w->bias, rows, n, k, threads);
+}
+
+/* K/V rows of every token into a float32 cache, as index_copy_ copies them. */
+static void write_kv_f32(float *k_cache, float *v_cache, const float *qkv, int64_t ld_tok, int64_t k_off,
+                         int64_t v_off, const int64_t *slots, int tokens, int64_t row)
+{
+    for (int t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * row, qkv + t * ld_tok + k_off, (size_t)row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, qkv + t * ld_tok + v_off, (size_t)row * sizeof(float));
+    }
+}
+
+/* Runs every layer and the final norm. Returns 0; -2 (nothing run) for a slot
+ * outside the cache; -3 if the attention kernel could not allocate; -4 if a
+ * GEMM or SiLU*mul kernel refused (no vector path: decoder_stack.py never
+ * lets that happen). */
+int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_step *s)
+{
+    const int T = (int)s->num_tokens, H = (int)m->hidden, I = (int)m->inter, D = (int)m->head_dim;
+    const int NH = (int)m->num_heads, NKV = (int)m->num_kv_heads, threads = (int)s->num_threads;
+    const int QKV = (NH + 2 * NKV) * D, Q = NH * D;
+    for (int t = 0; t < T; t++)
+        if (s->slots[t] < 0 || s->slots[t] >= m->num_slots)
+            return -2;
+    float *x = s->scratch, *attn_out = x + pad16((int64_t)T * H), *delta = attn_out + pad16((int64_t)T * H);
+    float *qkv = delta + pad16((int64_t)T * H), *attn = qkv + pad16((int64_t)T * QKV);
+    float *gate_up = attn + pad16((int64_t)T * Q), *act = gate_up + pad16((int64_t)T * 2 * I);
+    uint16_t *xb = (uint16_t *)(act + pad16((int64_t)T * I));
+    const float eps = (float)m->eps;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const ds_layer *L = layers + l;
+        /* DecoderLayer.forward: layer 0 has no previous delta to add. */
+        m->rms_norm(x, H, s->h, H, l ? delta : NULL, l ? H : 0, L->input_norm, T, H, eps, threads);
+        if (linear(m, &L->qkv, qkv, x, xb, T, QKV, H, threads))
+            return -4;
+        m->rope(qkv, QKV, D, s->cos, s->sin_signed, D, T, NH + NKV, D, threads);
+        if (m->kv_bf16) {
+            if (m->kv_write_bf16(L->k_cache, L->v_cache, m->num_slots, qkv + Q, QKV, D, qkv + Q + NKV * D, QKV, D,
+                                 1, s->slots, T, NKV, D))
+                return -2;
+        } else {
+            write_kv_f32(L->k_cache, L->v_cache, qkv, QKV, Q, Q + NKV * D, s->slots, T, (int64_t)NKV * D);
+        }
+        if (m->attention(attn, Q, D, qkv, QKV, D, L->k_cache, L->v_cache, (int)m->kv_bf16, s->block_tables,
+                         s->table_stride, s->seq_lens, s->tokens, s->tokens, s->seq_index, T, NH, NKV, D,
+                         (int)m->block_size, (int)s->max_seq_len, (float)m->scale, threads))
+            return -3;
+        if (linear(m, &L->o, attn_out, attn, xb, T, H, Q, threads))
+            return -4;
+        m->rms_norm(x, H, s->h, H, attn_out, H, L->post_norm, T, H, eps, threads);
+        if (linear(m, &L->gate_up, gate_up, x, xb, T, 2 * I, H, threads))
+            return -4;
+        if (m->silu_mul(act, I, gate_up, 2 * I, T, I, threads))
+            return -4;
+        if (linear(m, &L->down, delta, act, xb, T, H, I, threads))
+            return -4;
+    }
+    m->rms_norm(s->out, H, s->h, H, m->num_layers ? delta : NULL, m->num_layers ? H : 0, m->final_norm, T, H,
+                eps, threads);
+    return 0;
+}
+
+/* The structs' layout by name, for decoder_stack.py to check its mirrors. */
+#define SIZE(s) {#s, sizeof(s)}
+#define FIELD(s, f) {#s "." #f, offsetof(s, f)}
+static const struct {
+    const char *name;
+    int64_t value;
+} LAYOUT[] = {
+    SIZE(ds_linear), FIELD(ds_linear, weights), FIELD(ds_linear, bias), FIELD(ds_linear, route),
+    FIELD(ds_linear, fmt),
+    SIZE(ds_layer), FIELD(ds_layer, input_norm), FIELD(ds_layer, post_norm), FIELD(ds_layer, k_cache),
+    FIELD(ds_layer, v_cache), FIELD(ds_layer, qkv), FIELD(ds_layer, o), FIELD(ds_layer, gate_up),
+    FIELD(ds_layer, down),
+    SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot),
+    FIELD(ds_model, rms_norm),
+    FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write_bf16), FIELD(ds_model, attention),
+    FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),
+    FIELD(ds_model, num_heads), FIELD(ds_model, num_kv_heads), FIELD(ds_model, head_dim),
+    FIELD(ds_model, block_size), FIELD(ds_model, kv_bf16), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
+    FIELD(ds_model, scale),
+    SIZE(ds_step), FIELD(ds_step, h), FIELD(ds_step, out), FIELD(ds_step, scratch), FIELD(ds_step, cos),
+    FIELD(ds_step, sin_signed), FIELD(ds_step, slots), FIELD(ds_step, block_tables), FIELD(ds_step, seq_lens),
+    FIELD(ds_step, tokens), FIELD(ds_step, seq_index), FIELD(ds_step, num_tokens), FIELD(ds_step, table_stride),
+    FIELD(ds_step, max_seq_len), FIELD(ds_step, num_threads),
+};
+
+/* The offset of "struct.field" or the size of "struct"; -1 for a name it
+ * does not know; with NULL, how many names it knows. */
+int64_t decoder_stack_layout(const char *name)
+{
+    const int n = (int)(sizeof(LAYOUT) / sizeof(LAYOUT[0]));
+    if (!name)
+        return n;
+    for (int i = 0; i < n; i++)
+        if (!strcmp(LAYOUT[i].name, name))
+            return LAYOUT[i].value;
+    return -1;
+}

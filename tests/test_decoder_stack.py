@@ -1,0 +1,209 @@
+"""The native decoder stack (executor_svc/decoder_stack.py) computes what the
+Python layer loop computes, bit for bit, on the steps it takes, and leaves the
+others to Python.
+
+Two ModelRunners over the same weights run the same step plans
+(tests/plan_driver.py): one with its DecoderStack, one with it removed; every
+sampled token and every logprob float must be equal. The tiny Qwen2 (qkv
+bias, head_dim 64) saved as Q8_0 GGUF exercises GGUF blocks (1-32 rows),
+float32 panels (past 32 rows and the bf16 model's widened weights are BF16
+blocks), both KV dtypes and both modes; the embedded SmolLM2 adds Q4_1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import replace
+
+import pytest
+import torch
+
+from executor_svc import decoder_stack, packed_linear
+from executor_svc.attention import get_backend
+from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.kv_cache import allocate_kv_caches
+from executor_svc.layer_ops import Kernels
+from executor_svc.model_loader import load_model
+from executor_svc.model_runner import ModelRunner
+from shared.sampling_params import SamplingParams
+from tests.plan_driver import Job, PlanDriver
+
+NATIVE = packed_linear.kernel() is not None and get_backend("cpu").name == "cpu" and decoder_stack._lib() is not None
+pytestmark = pytest.mark.skipif(not NATIVE, reason="the decoder stack needs the AVX-512 native kernels")
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, logprobs=3)
+SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=7, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny_stack")
+    hf = save_tiny_hf_model(
+        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
+    )
+    path = str(folder / "tiny.Q8_0.gguf")
+    save_tiny_gguf(hf, path, "Q8_0")
+    return path
+
+
+def runner_pair(path: str, dtype: torch.dtype, batch_invariant: bool) -> tuple[ModelRunner, ModelRunner]:
+    """(with the stack, without it): two runners over one loaded model and two caches."""
+    backend = get_backend("cpu", batch_invariant=batch_invariant)
+    loaded = load_model(
+        path,
+        dtype,
+        "cpu",
+        backend,
+        with_tokenizer=False,
+        packed_gemm=True,
+        gguf_blocks=True,
+        batch_invariant=batch_invariant,
+    )
+    runners = []
+    for _ in range(2):
+        kv = allocate_kv_caches(loaded.config, 200, BLOCK, dtype, torch.device("cpu"))
+        runners.append(ModelRunner(loaded.model, kv, BLOCK, loaded.config.vocab_size, torch.device("cpu"), backend))
+    assert runners[0].stack is not None, "the stack should apply to a CPU model on native kernels"
+    runners[1].stack = None
+    return runners[0], runners[1]
+
+
+class Counting:
+    """Wraps a stack, counting the steps it took."""
+
+    def __init__(self, stack):
+        self.stack, self.taken = stack, 0
+
+    def forward(self, *args):
+        out = self.stack.forward(*args)
+        self.taken += out is not None
+        return out
+
+
+def jobs(vocab: int, lengths=(5, 23, 40, 70)) -> list[Job]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        Job(f"r{i}", torch.randint(3, vocab, (n,), generator=gen).tolist(), 12, GREEDY if i % 2 else SEEDED, arrive=i)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def as_numbers(out) -> dict:
+    return {rid: (o.tokens, [(lp.logprob, lp.top) for lp in o.logprobs]) for rid, o in out.items()}
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_stack_equals_the_python_layers_bit_for_bit(tiny_gguf, dtype, batch_invariant):
+    native, python = runner_pair(tiny_gguf, dtype, batch_invariant)
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320)
+    # Budget 48: prompts arrive while others decode, so steps mix prefill
+    # chunks and decodes (Python), and decode-only steps run 1-4 rows (the stack).
+    got = as_numbers(PlanDriver(native, BLOCK).run(work, token_budget=48))
+    want = as_numbers(PlanDriver(python, BLOCK).run(work, token_budget=48))
+    assert got == want
+    assert counter.taken >= 8, f"the stack took only {counter.taken} steps"
+
+
+def test_stack_runs_the_bf16_dot_route_as_python_does(tiny_gguf):
+    """A bfloat16 model routed to the dot kernel (as on a CPU with AVX512-BF16;
+    emulated here where the CPU lacks it): the stack rounds activations to
+    bfloat16 as packed_linear._bf16_dot does."""
+    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant=False)
+    for layer in native.model.layers:
+        layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
+    assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "dot"
+    native.stack._layers.clear()
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320, lengths=(9, 30, 17))
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 8
+
+
+def test_stack_takes_decodes_only_and_falls_back_elsewhere(tiny_gguf):
+    native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    native.stack = counter = Counting(native.stack)
+    driver = PlanDriver(native, BLOCK)
+    driver.run([Job("a", list(range(3, 40)), 1, GREEDY)])  # one prefill step, nothing decoded
+    assert counter.taken == 0
+    driver.run([Job("b", list(range(3, 40)), 4, GREEDY)])  # a prefill, then 3 decode steps
+    assert counter.taken == 3
+
+
+def test_a_step_with_a_non_native_route_runs_in_python(tiny_gguf, monkeypatch):
+    native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    monkeypatch.setattr(decoder_stack, "route", lambda rows, packed: "torch")  # as if every GEMM went to MKL
+    native.stack._layers.clear()
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320, lengths=(9, 17))
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken == 0
+
+
+def test_swapped_kernels_turn_the_stack_off(tiny_gguf):
+    """A model whose Kernels were replaced (a test's spy, the CUDA invariant
+    set) runs them: the stack never bypasses them."""
+    native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    calls = []
+
+    def spy(*args):
+        calls.append(1)
+        return packed_linear.linear(*args)
+
+    native.model.use_kernels(Kernels(linear=spy))
+    native.stack = counter = Counting(native.stack)
+    PlanDriver(native, BLOCK).run([Job("a", list(range(3, 20)), 3, GREEDY)])
+    assert counter.taken == 0 and len(calls) == 3 * (4 * len(native.model.layers) + 1)
+
+
+def test_embedded_smollm2_q4_1_decodes_identically():
+    native, python = runner_pair_embedded()
+    native.stack = counter = Counting(native.stack)
+    work = [Job("a", list(range(100, 140)), 6, GREEDY), Job("b", list(range(500, 530)), 6, SEEDED, arrive=1)]
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 4
+
+
+def runner_pair_embedded() -> tuple[ModelRunner, ModelRunner]:
+    from executor_svc.model_loader import default_model_path
+
+    return runner_pair(default_model_path(), torch.float32, batch_invariant=False)
+
+
+def test_struct_mirrors_match_the_c_layout():
+    lib = decoder_stack._lib()
+    assert decoder_stack.layout_differences(lib, decoder_stack.MIRRORS) == []
+    # The check can fail: two same-size fields swapped, a field missing.
+    fields = list(decoder_stack._Linear._fields_)
+    swapped = type("Swapped", (ctypes.Structure,), {"_fields_": [fields[1], fields[0]] + fields[2:]})
+    assert decoder_stack.layout_differences(lib, {"ds_linear": swapped}) != []
+    short = type("Short", (ctypes.Structure,), {"_fields_": fields[:-1]})
+    assert decoder_stack.layout_differences(lib, {**decoder_stack.MIRRORS, "ds_linear": short}) != []
+
+
+def test_a_slot_outside_the_cache_raises_and_changes_nothing(tiny_gguf):
+    native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    PlanDriver(native, BLOCK).run([Job("a", list(range(3, 20)), 2, GREEDY)])
+    caches = [(k.clone(), v.clone()) for k, v in native.kv_caches]
+    h = torch.randn(1, native.model.config.hidden_size)
+    h0 = h.clone()
+    meta = AttentionMetadata(
+        num_tokens=1,
+        slot_mapping=torch.tensor([10**9], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.tensor([[1]], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=1,
+        block_size=BLOCK,
+        query_lens_cpu=[1],
+        seq_lens_cpu=[1],
+    )
+    native.attn_backend.prepare(meta)
+    with pytest.raises(IndexError):
+        native.stack.forward(h, native.model.rope_cos[:1], native.model.rope_sin_signed[:1], meta)
+    assert torch.equal(h, h0), "h must not change when the step is refused"
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(native.kv_caches, caches))
