@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "decoder_stack.c")
 LINEARS = ("qkv", "o", "gate_up", "down")
 _PANELS, _BLOCKS, _DOT = 0, 1, 2  # ds_linear.route
+_ROUTES = ("panels", "blocks", "gguf", "dot")  # packed_linear.route's answers the driver runs
 _VP, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -174,7 +175,9 @@ class DecoderStack:
             eps=cfg.rms_norm_eps,
             scale=first.scale,
         )
-        self._layers: dict[int, ctypes.Array | None] = {}  # by row count: None where a route is not native
+        # Layer tables by row count and by routes; None where a route is not native.
+        self._by_rows: dict[int, ctypes.Array | None] = {}
+        self._by_routes: dict[tuple[str, ...], ctypes.Array | None] = {}
         self._scratch = torch.empty(0)
 
     @staticmethod
@@ -218,31 +221,34 @@ class DecoderStack:
         )
 
     def _layers_for(self, rows: int) -> ctypes.Array | None:
-        """The layer table for `rows` rows: None where some linear does not take a panels or blocks route."""
-        if rows not in self._layers:
-            table = (_Layer * len(self._model_ref.layers))()
-            for entry, layer, (k_cache, v_cache) in zip(table, self._model_ref.layers, self._kv, strict=True):
-                entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-                entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-                for name in LINEARS:
-                    packed = layer.packed.get(name)
-                    how = route(rows, packed)
-                    bias = layer.qkv_bias if name == "qkv" else None
-                    if how == "panels":
-                        setattr(entry, name, _Linear(packed.panels.data_ptr(), _ptr(bias), _PANELS, 0))
-                    elif how in ("blocks", "gguf"):
-                        blocks = packed.blocks if how == "blocks" else packed.gguf
-                        fmt = BLOCK_FORMATS[blocks.kind][0]
-                        setattr(entry, name, _Linear(blocks.data.data_ptr(), _ptr(bias), _BLOCKS, fmt))
-                    elif how == "dot":
-                        setattr(entry, name, _Linear(packed.blocks.data.data_ptr(), _ptr(bias), _DOT, 0))
-                    else:
-                        table = None
-                        break
-                if table is None:
-                    break
-            self._layers[rows] = table
-        return self._layers[rows]
+        """The layer table for `rows` rows: None where some linear does not take
+        a packed route. Row counts with the same routes share one table (routes
+        change at a few thresholds; --deterministic steps see every row count)."""
+        if rows not in self._by_rows:
+            routes = tuple(route(rows, layer.packed.get(name)) for layer in self._model_ref.layers for name in LINEARS)
+            if routes not in self._by_routes:
+                native = all(how in _ROUTES for how in routes)
+                self._by_routes[routes] = self._table(routes) if native else None
+            self._by_rows[rows] = self._by_routes[routes]
+        return self._by_rows[rows]
+
+    def _table(self, routes: tuple[str, ...]) -> ctypes.Array:
+        table = (_Layer * len(self._model_ref.layers))()
+        hows = iter(routes)
+        for entry, layer, (k_cache, v_cache) in zip(table, self._model_ref.layers, self._kv, strict=True):
+            entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            for name in LINEARS:
+                packed, how = layer.packed[name], next(hows)
+                bias = _ptr(layer.qkv_bias if name == "qkv" else None)
+                if how == "panels":
+                    linear = _Linear(packed.panels.data_ptr(), bias, _PANELS, 0)
+                else:
+                    blocks = packed.gguf if how == "gguf" else packed.blocks
+                    fmt = BLOCK_FORMATS[blocks.kind][0] if how != "dot" else 0
+                    linear = _Linear(blocks.data.data_ptr(), bias, _DOT if how == "dot" else _BLOCKS, fmt)
+                setattr(entry, name, linear)
+        return table
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, meta: AttentionMetadata

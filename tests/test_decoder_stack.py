@@ -116,7 +116,7 @@ def test_stack_runs_the_bf16_dot_route_as_python_does(tiny_gguf):
     for layer in native.model.layers:
         layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
     assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "dot"
-    native.stack._layers.clear()
+    native.stack._by_rows.clear()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 30, 17))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
@@ -136,7 +136,7 @@ def test_stack_takes_decodes_only_and_falls_back_elsewhere(tiny_gguf):
 def test_a_step_with_a_non_native_route_runs_in_python(tiny_gguf, monkeypatch):
     native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
     monkeypatch.setattr(decoder_stack, "route", lambda rows, packed: "torch")  # as if every GEMM went to MKL
-    native.stack._layers.clear()
+    native.stack._by_rows.clear()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 17))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
