@@ -3,7 +3,7 @@ ceiling and its memory read floor.
 
     .venv/bin/python -m bench.forward_sweep [--dtypes float32,bfloat16] [--num-threads 0] [--rounds 5]
         [--batch-sizes 1,2,4,8,16,32,64,128,256 --context 256] [--contexts 128,256,512,1024,2048 --batch 64]
-        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--gguf-blocks auto] [--bandwidth-mib 0]
+        [--prefill-tokens 256 --prefill-batch 8] [--kv-cache-gib 0] [--gguf-blocks auto] [--decoder-stack auto] [--bandwidth-mib 0]
         [--out-dir DIR] [--no-chart]
 
 In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
@@ -151,6 +151,12 @@ def parser() -> argparse.ArgumentParser:
         help="the executor's --gguf-blocks (auto: 1-32 rows of a GGUF model, the embedded one included, read "
         "its Q4_1/Q8_0 blocks, and the read floor counts those; off: the float32 panels or BF16 blocks)",
     )
+    p.add_argument(
+        "--decoder-stack",
+        default="auto",
+        choices=("auto", "off"),
+        help="the executor's --decoder-stack (auto: decode steps run their layers in one native call)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
     p.add_argument(
@@ -295,6 +301,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             num_threads=args.num_threads,
             cpu_gemm=args.cpu_gemm,
             gguf_blocks=args.gguf_blocks,
+            decoder_stack=args.decoder_stack,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]

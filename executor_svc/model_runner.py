@@ -59,6 +59,7 @@ class ModelRunner:
         attn_backend: AttentionBackend,
         tp: TPGroup | None = None,
         sampler: Sampler | None = None,
+        decoder_stack: bool = True,
     ):
         self.model = model
         self.tp = tp
@@ -71,7 +72,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.table = RequestTable(block_size, self.num_blocks, vocab_size)
         # The layers of decode steps in one native call where this model and cache allow it.
-        self.stack = DecoderStack.build(model, kv_caches) if device.type == "cpu" else None
+        self.stack = DecoderStack.build(model, kv_caches) if decoder_stack and device.type == "cpu" else None
 
     @property
     def requests(self) -> dict[str, RequestState]:

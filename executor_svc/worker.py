@@ -245,6 +245,7 @@ class Worker:
             self.attn_backend,
             self.tp,
             sampler_for(self.device, self.config.deterministic),
+            decoder_stack=self.config.decoder_stack == "auto",
         )
         self._sized_for = sized_for
         self._info = HandshakeInfo(

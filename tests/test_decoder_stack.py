@@ -207,3 +207,13 @@ def test_a_slot_outside_the_cache_raises_and_changes_nothing(tiny_gguf):
         native.stack.forward(h, native.model.rope_cos[:1], native.model.rope_sin_signed[:1], meta)
     assert torch.equal(h, h0), "h must not change when the step is refused"
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(native.kv_caches, caches))
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_the_executor_option_turns_the_stack_on_and_off(setting):
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.worker import Worker
+
+    worker = Worker(ExecutorConfig(kv_cache_gib=0.01, dtype="float32", decoder_stack=setting))  # embedded model
+    worker.configure(block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=4)
+    assert (worker.runner.stack is not None) == (setting == "auto")
