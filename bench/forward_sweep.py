@@ -99,7 +99,7 @@ from pathlib import Path
 import torch
 
 from bench import forward_sweep_report, membw, report, step_bytes
-from executor_svc.config import GGUF_BLOCKS, ExecutorConfig
+from executor_svc.config import GGUF_ACTIVATIONS, GGUF_BLOCKS, ExecutorConfig
 from executor_svc.kv_cache import GIB, bytes_per_block
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker, cpu_has_fast_bf16
@@ -150,6 +150,13 @@ def parser() -> argparse.ArgumentParser:
         choices=GGUF_BLOCKS,
         help="the executor's --gguf-blocks (auto: 1-32 rows of a GGUF model, the embedded one included, read "
         "its Q4_1/Q8_0 blocks, and the read floor counts those; off: the float32 panels or BF16 blocks)",
+    )
+    p.add_argument(
+        "--gguf-activations",
+        default="float",
+        choices=GGUF_ACTIVATIONS,
+        help="the executor's --gguf-activations (int8: the rows that read GGUF blocks quantise their "
+        "activations to int8, on CPUs with AVX512-VNNI)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
@@ -295,6 +302,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             num_threads=args.num_threads,
             cpu_gemm=args.cpu_gemm,
             gguf_blocks=args.gguf_blocks,
+            gguf_activations=args.gguf_activations,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]

@@ -102,7 +102,12 @@ static inline __attribute__((always_inline)) INT8_TARGET void int8_tile(
                 isum[i][j] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int g = 0; g < groups; g++) {
-            prefetch_share(pf, g, groups, lines);
+            /* The same block of the next panel, spread over the groups, into
+             * L2 (SmolLM2's 121 linears read 5-10% faster with than without;
+             * T0 and T1 even). */
+            if (pf)
+                for (int l = g * lines / groups; l < (g + 1) * lines / groups; l++)
+                    _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
             for (int j = 0; j < NV; j++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(codes + g * 4 * NR + 64 * j));
                 if (fmt == FMT_Q4_1) {
