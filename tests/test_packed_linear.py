@@ -297,3 +297,20 @@ def test_gguf_blocks_setting():
     assert parse_config(["--gguf-blocks", "off"], environ={}).gguf_blocks == "off"
     with pytest.raises(SystemExit):
         parse_config(["--gguf-blocks", "sometimes"], environ={})
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_q8_0_blocks_with_tiny_scales_give_the_float32_result_bit_for_bit(rows):
+    """Q8_0 codes come out of their lanes as code << 24 and are scaled by
+    d * 2^-24 (packed_gemm.c, Q8_UNSHIFT): still d * code exactly, for
+    float16-subnormal scales too (weights ~1e-7, d ~1e-9)."""
+    weight, raw = quantized("Q8_0", 100, 96, seed=rows)
+    raw = raw.clone()
+    tiny = (raw[:, :, 0:2].contiguous().view(torch.float16) * 1e-5).view(torch.uint8)
+    raw[:, :, 0:2] = tiny
+    assert (tiny.view(torch.float16).abs() < 6.1e-5).all()  # below float16's smallest normal
+    d = raw[:, :, 0:2].contiguous().view(torch.float16).float()
+    weight = (d * raw[:, :, 2:].view(torch.int8).float()).reshape(100, 96)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = linear(x, weight, None, PackedWeight(pack(weight), pack_blocks("Q8_0", raw)))
+    assert torch.equal(got, float32_panels(x, weight, None))

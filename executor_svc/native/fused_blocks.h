@@ -94,27 +94,26 @@ static inline __attribute__((always_inline)) void fused_tile(
                 if (k == QK / 2)
                     __asm__ volatile("" ::: "memory");
                 prefetch_share(pf, k, QK, lines);
-                /* Code k is byte (k % 16) % 4 of group (k % 16) / 4, low nibble below 16. */
-                const int g = k % 16 / 4, shift = 8 * (k % 4) + (k < QK / 2 ? 0 : 4);
+                /* Code k is byte k % 4 of group (k % 16) / 4, low nibble below 16. */
                 for (int j = 0; j < NV; j++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(q + g * 4 * NR + 64 * j));
-                    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15));
+                    const __m512i v = lane_byte(_mm512_loadu_si512((const void *)(q + k % 16 / 4 * 4 * NR + 64 * j)), k % 4);
+                    const __m512i code = k < QK / 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
                     w[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(code), m[j]);
                 }
                 FMA_ROWS(mr, acc, ab, lda, k, w);
             }
         } else {
-            __m512 d[NV];
+            __m512 d[NV]; /* d * 2^-24, for codes << 24 (Q8_UNSHIFT) */
             for (int j = 0; j < NV; j++)
-                d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j)));
+                d[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j))),
+                                     _mm512_set1_ps(Q8_UNSHIFT));
             const uint8_t *q = qp + 2 * NR;
 #pragma GCC unroll 32
             for (int k = 0; k < QK; k++) {
                 prefetch_share(pf, k, QK, lines);
                 for (int j = 0; j < NV; j++) {
                     const __m512i v = _mm512_loadu_si512((const void *)(q + k / 4 * 4 * NR + 64 * j));
-                    const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * (k % 4)), 24);
-                    w[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(code));
+                    w[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(lane_byte_high(v, k % 4)));
                 }
                 FMA_ROWS(mr, acc, ab, lda, k, w);
             }
