@@ -30,6 +30,13 @@ BLOCKS_MAX_ROWS rows read those instead, 5 or 8.5 bits per weight instead of
 16, and multiply the file's exact values, so those outputs are the float32
 model's block-path outputs bit for bit.
 
+With --gguf-activations int8 (PackedWeight.int8_rows, CPUs with
+AVX512-VNNI) the row counts that would read the file's Q4_1/Q8_0 blocks
+quantise their activations to int8 per 32 values instead and multiply the
+same blocks with integer dot products (route "int8", int8_blocks.h):
+llama.cpp's arithmetic, faster at every such row count, outputs no longer
+the float32 path's.
+
 On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) two more GEMMs take
 bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16 blocks
 ("dot", bf16_dot_gemm.h) and oneDNN's bf16 GEMM over a second, reordered
@@ -43,9 +50,9 @@ tile, the chunk or the thread, so a row's result never depends on the other
 rows; MKL picks its algorithm and blocking by M. A `batch_invariant`
 PackedWeight therefore never routes to MKL: panels (or BF16 blocks) at
 every row count, GGUF blocks where they apply (their outputs are the panels'
-bit for bit), never oneDNN or the dot kernel (bfloat16 activations, another
-k order), and no file blocks beside bfloat16 ones (their values are not the
-BF16 blocks').
+bit for bit), never oneDNN, the dot kernel or int8 activations (rounded activations,
+another k order), and no file blocks beside bfloat16 ones (their values are
+not the BF16 blocks').
 """
 
 from __future__ import annotations
