@@ -1,7 +1,9 @@
-"""What --gguf-blocks auto costs a bfloat16 model in quality: next-token
+"""What --gguf-blocks auto costs a bfloat16 model in quality (and, with
+--int8-activations, what --gguf-activations int8 costs a float32 one): next-token
 agreement and top-5 logprob differences on real English text.
 
     .venv/bin/python -m bench.bf16_quant_quality [--model PATH.gguf] [--max-tokens 256] [--chunk 32]
+        [--int8-activations]
 
 Loads the GGUF three times through the executor's loader, as served on CPU
 (packed GEMM, KV cache in the model's dtype): bfloat16 widened with the
@@ -13,6 +15,11 @@ model, the head's included, runs on the file's blocks, as decode batches of
 the logits of every position. Prints, for each pair: how often the argmax
 agrees, and |logprob difference| over the reference's top 5 tokens (mean,
 99th percentile, max).
+
+--int8-activations adds a fourth load: float32 with the file's blocks and
+--gguf-activations int8 (steps of up to 32 tokens: every GGUF linear takes
+int8 activations), compared with float32 beside bf16 vs float32, the
+rounding a bfloat16 default already accepts.
 
 The texts are the docstrings of stdlib modules (real English every Python
 ships, as tests/conftest.py english_prompts uses), each cut at --max-tokens.
@@ -26,6 +33,7 @@ import importlib
 import torch
 from tokenizers import Tokenizer
 
+from executor_svc import packed_linear
 from executor_svc.attention import get_backend
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.model_loader import load_model
@@ -104,12 +112,24 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--int8-activations", action="store_true", help="also float32 with --gguf-activations int8")
     a = p.parse_args(argv)
     torch.set_num_threads(a.num_threads)
-    variants = {"bf16+gguf": (torch.bfloat16, True), "bf16": (torch.bfloat16, False), "float32": (torch.float32, True)}
+    variants = {
+        "bf16+gguf": (torch.bfloat16, True, 0),
+        "bf16": (torch.bfloat16, False, 0),
+        "float32": (torch.float32, True, 0),
+    }
+    pairs = [("bf16+gguf", "bf16"), ("bf16+gguf", "float32"), ("bf16", "float32")]
+    if a.int8_activations:
+        assert packed_linear.kernel().int8_native, "--int8-activations needs AVX512-VNNI"
+        variants["float32+int8"] = (torch.float32, True, packed_linear.INT8_MAX_ROWS)
+        pairs.append(("float32+int8", "float32"))
     logits, tokenizer = {}, None
-    for name, (dtype, blocks) in variants.items():
-        loaded = load_model(a.model, dtype, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=blocks)
+    for name, (dtype, blocks, int8_rows) in variants.items():
+        loaded = load_model(
+            a.model, dtype, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=blocks, int8_rows=int8_rows
+        )
         if tokenizer is None:
             tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
             docs = [tokenizer.encode(t, add_special_tokens=False).ids[: a.max_tokens] for t in texts()]
@@ -117,10 +137,10 @@ def main(argv=None) -> None:
         del loaded
     positions = sum(len(ids) - 1 for ids in docs)
     print(f"{len(docs)} stdlib docstrings, {positions} positions, teacher-forced {a.chunk} tokens a step")
-    print(f"{'model vs reference':24} {'argmax agrees':>14} {'top-5 |dlogp| mean':>19} {'p99':>7} {'max':>7}")
-    for got, want in (("bf16+gguf", "bf16"), ("bf16+gguf", "float32"), ("bf16", "float32")):
+    print(f"{'model vs reference':27} {'argmax agrees':>14} {'top-5 |dlogp| mean':>19} {'p99':>7} {'max':>7}")
+    for got, want in pairs:
         r = compare(torch.cat(logits[got]), torch.cat(logits[want]))
-        print(f"{got + ' vs ' + want:24} {100 * r['agree']:13.2f}% {r['mean']:19.4f} {r['p99']:7.3f} {r['max']:7.3f}")
+        print(f"{got + ' vs ' + want:27} {100 * r['agree']:13.2f}% {r['mean']:19.4f} {r['p99']:7.3f} {r['max']:7.3f}")
 
 
 if __name__ == "__main__":

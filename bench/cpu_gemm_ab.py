@@ -1,6 +1,6 @@
 """Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
-    .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm|bf16-gguf-blocks]
+    .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm|bf16-gguf-blocks|gguf-activations]
         [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
@@ -13,7 +13,9 @@ weights and KV, float32 arithmetic) with float32; --setting bf16-gemm
 compares that bfloat16 path (--cpu-gemm auto) with torch's own bf16 GEMM
 (--cpu-gemm torch, emulated on such CPUs); --setting bf16-gguf-blocks
 compares, both in that bfloat16 path, --gguf-blocks auto (1-32 rows read
-the GGUF's blocks) with off (bfloat16 blocks only).
+the GGUF's blocks) with off (bfloat16 blocks only); --setting
+gguf-activations compares, in float32, --gguf-activations int8 (1-32 rows
+over the GGUF's blocks with int8 activations, AVX512-VNNI) with float.
 Loads the embedded model twice, one executor per value, and times the same
 rows as bench.forward_sweep (decode batches at one context, a 64-decode step
 at a longer context, an 8 x 256-token prefill), alternating the two
@@ -43,6 +45,7 @@ SETTINGS = {
     "dtype": ("dtype", ("bfloat16", "float32"), {}),
     "bf16-gemm": ("cpu_gemm", ("auto", "torch"), {"dtype": "bfloat16"}),
     "bf16-gguf-blocks": ("gguf_blocks", ("auto", "off"), {"dtype": "bfloat16"}),
+    "gguf-activations": ("gguf_activations", ("int8", "float"), {}),
 }
 
 

@@ -99,7 +99,7 @@ from pathlib import Path
 import torch
 
 from bench import forward_sweep_report, membw, report, step_bytes
-from executor_svc.config import GGUF_BLOCKS, ExecutorConfig
+from executor_svc.config import GGUF_ACTIVATIONS, GGUF_BLOCKS, ExecutorConfig
 from executor_svc.kv_cache import GIB, bytes_per_block
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker, cpu_has_fast_bf16
@@ -156,6 +156,13 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "off"),
         help="the executor's --decoder-stack (auto: decode steps run their layers in one native call)",
+    )
+    p.add_argument(
+        "--gguf-activations",
+        default="float",
+        choices=GGUF_ACTIVATIONS,
+        help="the executor's --gguf-activations (int8: the rows that read GGUF blocks quantise their "
+        "activations to int8, on CPUs with AVX512-VNNI)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
@@ -302,6 +309,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             cpu_gemm=args.cpu_gemm,
             gguf_blocks=args.gguf_blocks,
             decoder_stack=args.decoder_stack,
+            gguf_activations=args.gguf_activations,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]

@@ -9,6 +9,7 @@ GEMM that takes them, and so what it streams:
     panels          the float32 panels (padded to whole panels, as read)
     blocks, dot     the BF16 (or GGUF, beside float32 panels) block panels
     gguf            the file's Q4_1/Q8_0 block panels kept beside BF16 ones
+    int8            either's Q4_1/Q8_0 blocks, with int8 activations
     onednn          oneDNN's reordered copy: as many bytes as the bf16 weight
     torch           the weight tensor itself, in its dtype (MKL; a bfloat16
                     weight widened per call is counted once, at 2 bytes)
@@ -45,6 +46,8 @@ def representation_bytes(how: str, weight: torch.Tensor, packed: PackedWeight | 
         return packed.blocks.nbytes
     if how == "gguf":
         return packed.gguf.nbytes
+    if how == "int8":
+        return packed.gguf_blocks.nbytes
     if how in ("onednn", "torch"):  # oneDNN's blocked copy holds the bf16 weight's bytes in another order
         return tensor_bytes(weight)
     raise AssertionError(f"no byte count for route {how!r}")

@@ -16,6 +16,7 @@ from shared.net import is_loopback, validate_address
 DTYPES = ("auto", "float32", "bfloat16")
 CPU_GEMMS = ("auto", "native", "torch")
 GGUF_BLOCKS = ("auto", "off")
+GGUF_ACTIVATIONS = ("float", "int8")
 OMP_WAIT_POLICIES = ("default", "passive", "active")
 
 
@@ -71,6 +72,15 @@ class ExecutorConfig:
         "bf16 weights (the file's exact values, 5/8.5 bits instead of 16; 1.7x faster decode at batch 1, "
         "1.14x at 32 on an AVX-512 Xeon without AVX512-BF16), larger ones the bf16 weights (or oneDNN); "
         "off = float32 (or bfloat16) weights only.",
+    )
+    gguf_activations: str = option(
+        "float",
+        choices=GGUF_ACTIVATIONS,
+        help="With GGUF blocks (--gguf-blocks auto): int8 = the batches that read Q4_1/Q8_0 blocks (1-32 rows) "
+        "quantise their activations to int8 per 32 values (as llama.cpp does) and multiply them with integer "
+        "dot products (AVX512-VNNI; elsewhere float): faster small-batch decode, outputs no longer the "
+        "float32 path's (quality: docs/optimization_log.md); float = float32 activations. "
+        "Not with --deterministic.",
     )
     num_threads: int = option(0, help="torch CPU threads (0 = default).", check=at_least(0))
     # Batch-invariant kernels (docs/determinism.md).
@@ -139,6 +149,8 @@ class ExecutorConfig:
             raise ValueError("--deterministic: --attention-backend torch (SDPA) orders its sums by the batch shape")
         if self.deterministic and self.cpu_gemm == "torch" and self.device != "cuda":
             raise ValueError("--deterministic on CPU: --cpu-gemm torch (MKL) orders its sums by the batch shape")
+        if self.deterministic and self.gguf_activations == "int8":
+            raise ValueError("--deterministic: --gguf-activations int8 rounds activations by the row count's route")
         if not is_loopback(self.listen) and not self.auth_token:
             raise ValueError(
                 f"--listen {self.listen} is reachable from other hosts: set --auth-token-file "

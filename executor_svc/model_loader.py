@@ -120,6 +120,7 @@ def load_model(
     gguf_blocks: bool = False,
     bf16_routes: bool = False,
     batch_invariant: bool = False,
+    int8_rows: int = 0,
 ) -> LoadedModel:
     """The model (this tensor-parallel rank's shard of it) and, unless asked
     not to (followers never serve), its tokenizer. `packed_gemm` adds the
@@ -129,7 +130,9 @@ def load_model(
     multiplies in float32 (weight_packing.py, the post-load hook), keeping
     the file's blocks for small batches too with `gguf_blocks`, and with
     `bf16_routes` (CPUs with native bf16) measures here which GEMM takes
-    each row count (the bf16 dot-product kernel and oneDNN among them). `batch_invariant`
+    each row count (the bf16 dot-product kernel and oneDNN among them); with
+    `int8_rows` 1..int8_rows rows over the file's Q4_1/Q8_0 blocks quantise
+    their activations to int8 (--gguf-activations int8). `batch_invariant`
     (--deterministic): with `packed_gemm` (CPU), every linear layer through
     the kernel whatever the row count (the caller checks that the kernel is
     available); without it (CUDA, or CPU tensors in Triton's interpreter),
@@ -148,6 +151,7 @@ def load_model(
             if bf16_routes
             else (),
             batch_invariant=batch_invariant,
+            int8_rows=int8_rows,
         )
     elif batch_invariant:
         from executor_svc.triton_invariant import hook  # imports triton: only where it runs

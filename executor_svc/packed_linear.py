@@ -30,6 +30,13 @@ BLOCKS_MAX_ROWS rows read those instead, 5 or 8.5 bits per weight instead of
 16, and multiply the file's exact values, so those outputs are the float32
 model's block-path outputs bit for bit.
 
+With --gguf-activations int8 (PackedWeight.int8_rows, CPUs with
+AVX512-VNNI) the row counts that would read the file's Q4_1/Q8_0 blocks
+quantise their activations to int8 per 32 values instead and multiply the
+same blocks with integer dot products (route "int8", int8_blocks.h):
+llama.cpp's arithmetic, faster at every such row count, outputs no longer
+the float32 path's.
+
 On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) two more GEMMs take
 bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16 blocks
 ("dot", bf16_dot_gemm.h) and oneDNN's bf16 GEMM over a second, reordered
@@ -43,9 +50,9 @@ tile, the chunk or the thread, so a row's result never depends on the other
 rows; MKL picks its algorithm and blocking by M. A `batch_invariant`
 PackedWeight therefore never routes to MKL: panels (or BF16 blocks) at
 every row count, GGUF blocks where they apply (their outputs are the panels'
-bit for bit), never oneDNN or the dot kernel (bfloat16 activations, another
-k order), and no file blocks beside bfloat16 ones (their values are not the
-BF16 blocks').
+bit for bit), never oneDNN, the dot kernel or int8 activations (rounded activations,
+another k order), and no file blocks beside bfloat16 ones (their values are
+not the BF16 blocks').
 """
 
 from __future__ import annotations
@@ -69,8 +76,11 @@ class _Kernel:
     gemm: ctypes._CFuncPtr
     gemm_blocks: ctypes._CFuncPtr
     gemm_bf16_dot: ctypes._CFuncPtr
+    gemm_int8: ctypes._CFuncPtr
+    quantize_int8: ctypes._CFuncPtr
     panel_width: int  # output columns per packed panel
     bf16_dot_native: bool  # VDPBF16PS built and on this CPU; else the dot kernel is emulated
+    int8_native: bool  # VPDPBUSD on this CPU: the int8-activation kernel runs (never emulated)
 
 
 @lru_cache(maxsize=1)
@@ -83,8 +93,11 @@ def kernel() -> _Kernel | None:
         lib.packed_gemm,
         lib.packed_gemm_quant,
         lib.packed_gemm_bf16_dot,
+        lib.packed_gemm_quant_int8,
+        lib.quantize_rows_int8,
         lib.packed_gemm_panel_width(),
         lib.packed_gemm_bf16_dot_native() == 1,
+        lib.packed_gemm_int8_native() == 1,
     )
 
 
@@ -102,6 +115,13 @@ BLOCKS_MAX_ROWS = 32
 # threads: the kernel 1.16x at 257 rows, 1.03-1.04x at 300-512, 0.96x at
 # 1,024, 0.94x at 2,048; the widening is a fixed cost per call).
 BF16_MAX_ROWS = 512
+
+# --gguf-activations int8: 1..INT8_MAX_ROWS rows over Q4_1/Q8_0 blocks quantise
+# their activations to int8 and multiply with VPDPBUSD (int8_blocks.h): every
+# row count that reads the blocks, since it is faster at each (SmolLM2's 121
+# block linears, one thread: 1.1x at 1 row, 1.35x at 4, 1.9x at 8-32).
+INT8_MAX_ROWS = BLOCKS_MAX_ROWS
+INT8_KINDS = ("Q4_1", "Q8_0")
 
 # GGUF block formats the kernel reads: its format code, and the bytes of one
 # block of 32 weights in the file (ggml's block_q4_1: f16 d, f16 m, 16 bytes
@@ -149,11 +169,10 @@ def pack_blocks(kind: str, rows: torch.Tensor) -> BlockPanels:
     d = blocks[..., 0:2]  # [panel, block, column, 2]: f16 scales, column after column
     if kind == "BF16":  # [panel, block, k pair, column, 2 x 2 bytes]
         fields = [blocks.reshape(num_panels, num_blocks, width, BLOCK_K // 2, 4).transpose(2, 3)]
-    elif kind == "Q4_1":
-        m, codes = blocks[..., 2:4], blocks[..., 4:]
-        fields = [d, m, codes.transpose(2, 3)]  # codes: [panel, block, byte j, column]
-    else:
-        fields = [d, blocks[..., 2:].transpose(2, 3)]
+    else:  # codes: [panel, block, group g, column, byte i] = byte 4g + i of the column's codes
+        codes = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+        groups = codes.reshape(num_panels, num_blocks, width, -1, 4).transpose(2, 3)
+        fields = [d, blocks[..., 2:4], groups] if kind == "Q4_1" else [d, groups]
     # A fresh torch tensor is 64-byte aligned: a 960-byte Q4_1 block spans
     # exactly the 15 lines expand_block prefetches.
     panels = torch.cat([f.reshape(num_panels, num_blocks, -1) for f in fields], dim=2)
@@ -206,6 +225,10 @@ class PackedWeight:
     # goes to the `how` of the last pair with from_rows <= rows.
     bf16_routes: tuple[tuple[int, str], ...] = ()
     batch_invariant: bool = False  # never MKL: every row count through the kernel
+    # --gguf-activations int8: 1..int8_rows rows that would read the GGUF
+    # blocks (`blocks` beside float32 panels, `gguf` beside bfloat16 ones)
+    # quantise their activations to int8 instead (route "int8"); 0 = never.
+    int8_rows: int = 0
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
@@ -216,6 +239,14 @@ class PackedWeight:
             "bf16_routes are for bfloat16 blocks outside --deterministic"
         )
         assert all(how in BF16_ROUTES for _, how in self.bf16_routes), f"unknown route in {self.bf16_routes}"
+        assert not self.int8_rows or (
+            not self.batch_invariant and self.gguf_blocks is not None and self.gguf_blocks.kind in INT8_KINDS
+        ), "int8 activations need Q4_1/Q8_0 blocks and no --deterministic"
+
+    @property
+    def gguf_blocks(self) -> BlockPanels | None:
+        """The file's blocks of this weight: `blocks` beside float32 panels, `gguf` beside bfloat16 ones."""
+        return self.blocks if self.panels is not None else self.gguf
 
 
 # What bf16_routes may name: the kernel over the BF16 blocks (float32
@@ -225,8 +256,20 @@ BF16_ROUTES = ("blocks", "gguf", "dot", "onednn")
 
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks" (the kernel over `packed.blocks`),
-    "gguf" (over `packed.gguf`), "dot" (the bf16 dot-product kernel over
+    "gguf" (over `packed.gguf`), "int8" (int8 activations over the GGUF blocks,
+    where `packed.int8_rows` allows), "dot" (the bf16 dot-product kernel over
     `packed.blocks`), "panels", "onednn" or "torch" (MKL)."""
+    how = _float_route(rows, packed)
+    if (
+        packed is not None
+        and 1 <= rows <= packed.int8_rows
+        and how == ("blocks" if packed.panels is not None else "gguf")
+    ):
+        return "int8"
+    return how
+
+
+def _float_route(rows: int, packed: PackedWeight | None) -> str:
     if packed is None:
         return "torch"
     if packed.panels is None:  # bfloat16 weights
@@ -263,6 +306,8 @@ def linear(
         return onednn_linear.linear(x, packed.onednn, bias)
     if how == "dot":
         return _bf16_dot(x, weight, bias, packed.blocks)
+    if how == "int8":
+        return _int8(x, weight, bias, packed.gguf_blocks)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
@@ -338,3 +383,48 @@ def _bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     )
     assert status == 0, f"packed_gemm_bf16_dot returned {status} for {out_features}x{in_features}"
     return out
+
+
+def _int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockPanels) -> torch.Tensor:
+    """x [M, in] float32, quantised to int8 per row and block of 32 k, @ the
+    Q4_1/Q8_0 blocks' weight (+ bias) -> float32 [M, out] (int8_blocks.h)."""
+    out_features, in_features = weight.shape
+    assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
+        f"int8 linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
+    )
+    assert blocks.kind in INT8_KINDS and (blocks.out_features, blocks.in_features) == (out_features, in_features)
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == (out_features,))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = kernel().gemm_int8(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data.data_ptr(),
+        BLOCK_FORMATS[blocks.kind][0],
+        None if bias is None else bias.data_ptr(),
+        x.shape[0],
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    assert status == 0, f"packed_gemm_quant_int8 returned {status} for {blocks.kind} {out_features}x{in_features}"
+    return out
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 route's activations for float32 x [M, K]: (int8 codes [M, K],
+    scale [M, K/32], scale x sum of codes [M, K/32]), as the kernel computes them."""
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % BLOCK_K == 0, f"{tuple(x.shape)} {x.dtype}"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.int8)
+    scale, total = torch.empty(rows, k // BLOCK_K), torch.empty(rows, k // BLOCK_K)
+    status = kernel().quantize_int8(
+        q.data_ptr(), scale.data_ptr(), total.data_ptr(), x.data_ptr(), x.stride(0), rows, k
+    )
+    assert status == 0, f"quantize_rows_int8 returned {status}"
+    return q, scale, total

@@ -24,7 +24,7 @@ from torch import nn
 
 from executor_svc import onednn_linear
 from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
-from executor_svc.packed_linear import BLOCK_K, PackedWeight, pack, pack_bf16, pack_blocks
+from executor_svc.packed_linear import BLOCK_K, INT8_KINDS, BlockPanels, PackedWeight, pack, pack_bf16, pack_blocks
 from executor_svc.rope import rope_cache
 
 # GGUFCheckpoint.blocks: (kind, uint8 rows) of a tensor the file keeps in blocks, else None.
@@ -36,21 +36,26 @@ def apply(
     blocks: BlockSource | None = None,
     bf16_routes: tuple[tuple[int, str], ...] = (),
     batch_invariant: bool = False,
+    int8_rows: int = 0,
 ) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
     bfloat16 one (with the measured `bf16_routes` where given), either
     with the GGUF `blocks` where given; `batch_invariant` (--deterministic)
-    sends every row count through the kernel (packed_linear.py). The caller
-    has checked that the kernel is available (worker.use_packed_gemm)."""
+    sends every row count through the kernel (packed_linear.py). With
+    `int8_rows`, 1..int8_rows rows over Q4_1/Q8_0 blocks take int8
+    activations (PackedWeight.int8_rows; the caller checked the CPU and the
+    options, worker.gguf_int8_rows). The caller has checked that the kernel
+    is available (worker.use_packed_gemm)."""
+    assert not (int8_rows and batch_invariant), "int8 activations are not batch invariant"
     if model.embed_tokens.dtype == torch.bfloat16:
-        widen_bf16(model, bf16_routes, blocks, batch_invariant)
+        widen_bf16(model, bf16_routes, blocks, batch_invariant, int8_rows)
     else:
-        pack_linear_weights(model, blocks, batch_invariant)
+        pack_linear_weights(model, blocks, batch_invariant, int8_rows)
 
 
 @torch.no_grad()
 def pack_linear_weights(
-    model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False
+    model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False, int8_rows: int = 0
 ) -> None:
     """Adds the native CPU GEMM's packed copy of every linear weight and of
     the head (packed_linear.py), after load_weights, on float32 CPU models
@@ -71,13 +76,15 @@ def pack_linear_weights(
         for name, (parts, split) in LINEAR_PARTS.items():
             weight = getattr(layer, f"{name}_weight")
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            found = _block_panels(model, blocks, names, split, weight)
             layer.packed[name] = PackedWeight(
-                pack(weight), _block_panels(model, blocks, names, split, weight), batch_invariant=batch_invariant
+                pack(weight), found, batch_invariant=batch_invariant, int8_rows=_int8_rows(found, int8_rows)
             )
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    found = _block_panels(model, blocks, [head_name], None, head)
     model._head_packed = PackedWeight(
-        pack(head), _block_panels(model, blocks, [head_name], None, head), batch_invariant=batch_invariant
+        pack(head), found, batch_invariant=batch_invariant, int8_rows=_int8_rows(found, int8_rows)
     )
 
 
@@ -87,6 +94,7 @@ def widen_bf16(
     bf16_routes: tuple[tuple[int, str], ...] = (),
     blocks: BlockSource | None = None,
     batch_invariant: bool = False,
+    int8_rows: int = 0,
 ) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
@@ -112,7 +120,8 @@ def widen_bf16(
     counts bf16_routes gives them) read instead of the BF16 ones (packed_linear.route): 5 or 8.5
     bits a weight instead of 16, and the file's exact values where the
     bfloat16 weights hold them rounded. They cost 5/16 or 8.5/16 of the
-    bfloat16 weights' memory on top.
+    bfloat16 weights' memory on top. With `int8_rows`, 1..int8_rows rows
+    multiply them with int8 activations instead (as for float32 models).
 
     `batch_invariant` (--deterministic): every row count through the kernel
     over the BF16 blocks, so no bf16_routes (oneDNN and the dot kernel
@@ -137,7 +146,13 @@ def widen_bf16(
         gguf = _block_panels(model, blocks, names, split, weight)
         onednn = onednn_linear.pack(weight) if any(how == "onednn" for _, how in bf16_routes) else None
         return PackedWeight(
-            None, pack_bf16(weight), onednn, gguf, bf16_routes=bf16_routes, batch_invariant=batch_invariant
+            None,
+            pack_bf16(weight),
+            onednn,
+            gguf,
+            bf16_routes=bf16_routes,
+            batch_invariant=batch_invariant,
+            int8_rows=_int8_rows(gguf, int8_rows),
         )
 
     for i, layer in enumerate(model.layers):
@@ -160,6 +175,11 @@ def widen_bf16(
             model._head_packed = PackedWeight(pack(model._tied_head), None, batch_invariant=True)
     model.rope_cos, model.rope_sin_signed = rope_cache(model.config, torch.float32, model.rope_cos.device)
     model.compute_dtype = torch.float32
+
+
+def _int8_rows(blocks: BlockPanels | None, int8_rows: int) -> int:
+    """int8_rows for a weight whose file blocks are `blocks`: 0 unless Q4_1/Q8_0."""
+    return int8_rows if blocks is not None and blocks.kind in INT8_KINDS else 0
 
 
 def block_panel_bytes(model: LlamaForCausalLM) -> int:

@@ -108,6 +108,23 @@ def measure_bf16_routes(name: str, packed_gemm: bool, dtype: torch.dtype, determ
     )
 
 
+def gguf_int8_rows(activations: str, packed_gemm: bool, gguf_blocks: str, deterministic: bool = False) -> int:
+    """Up to how many rows GGUF Q4_1/Q8_0 blocks take int8 activations
+    (packed_linear.INT8_MAX_ROWS, or 0 = never): with --gguf-activations int8,
+    the native GEMM and its blocks, on CPUs with AVX512-VNNI (the kernel has
+    no emulation), never under --deterministic (its rounding depends on the
+    route, hence on the row count; the config refuses the pair too)."""
+    return (
+        packed_linear.INT8_MAX_ROWS
+        if activations == "int8"
+        and packed_gemm
+        and gguf_blocks == "auto"
+        and not deterministic
+        and packed_linear.kernel().int8_native
+        else 0
+    )
+
+
 def check_deterministic_cuda(attention_backend: str, tp_size: int) -> None:
     """Raises ValueError where --deterministic on CUDA cannot keep its promise:
     its linears, head and norms are the Triton kernels of triton_invariant/
@@ -163,9 +180,14 @@ class Worker:
             gguf_blocks=config.gguf_blocks == "auto",
             bf16_routes=measure_bf16_routes(config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic),
             batch_invariant=config.deterministic,
+            int8_rows=gguf_int8_rows(
+                config.gguf_activations, self.packed_gemm, config.gguf_blocks, config.deterministic
+            ),
         )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self._log_elementwise_paths()
+        if self.packed_gemm:
+            self._log_gguf_route()
         cap = self.model_config.max_position_embeddings
         self.max_model_len = min(cap, config.max_model_len) if config.max_model_len else cap
         self.runner: ModelRunner | None = None
@@ -190,6 +212,30 @@ class Worker:
             activations=str(activations).removeprefix("torch."),
             fused_ops="native" if native else "torch",
             bf16_kv_write="native" if kv_native else "torch" if self.kv_dtype == torch.bfloat16 else "n/a",
+        )
+
+    def _log_gguf_route(self) -> None:
+        """Says at start-up how the weights kept in GGUF blocks multiply their
+        activations: float32, or int8 for 1..int8_rows rows (and why not where
+        --gguf-activations int8 was asked for but cannot run)."""
+        packed = [p for layer in self.model.layers for p in layer.packed.values()] + [self.model._head_packed]
+        in_blocks = [p for p in packed if p is not None and p.gguf_blocks is not None]
+        int8 = [p for p in in_blocks if p.int8_rows]
+        asked = self.config.gguf_activations == "int8"
+        why_not = (
+            ""
+            if int8 or not asked
+            else "no GGUF blocks"
+            if not in_blocks
+            else "no AVX512-VNNI"
+            if not packed_linear.kernel().int8_native
+            else "not Q4_1/Q8_0"
+        )
+        log.info(
+            "gguf_linear_route",
+            weights_in_blocks=len(in_blocks),
+            activations=f"int8 at 1-{max(p.int8_rows for p in int8)} rows, float32 above" if int8 else "float32",
+            **({"int8_unavailable": why_not} if why_not else {}),
         )
 
     @property

@@ -264,7 +264,7 @@ def test_block_kernel_rejects_what_it_cannot_read():
 
 def test_block_panel_layout():
     """One block of one panel: the 48 columns' scales, then (Q4_1) minimums,
-    then the codes k-row by k-row; columns past `out` are zero."""
+    then the codes in groups of 4 bytes per column; columns past `out` are zero."""
     _, raw = quantized("Q4_1", 50, 64, seed=0)
     blocks = pack_blocks("Q4_1", raw)
     width = packed_linear.kernel().panel_width
@@ -274,8 +274,9 @@ def test_block_panel_layout():
     col = row % width
     assert bytes(cell[2 * col : 2 * col + 2]) == bytes(raw[row, block, 0:2])  # d
     assert bytes(cell[96 + 2 * col : 96 + 2 * col + 2]) == bytes(raw[row, block, 2:4])  # m
-    assert [int(cell[192 + j * width + col]) for j in range(16)] == raw[row, block, 4:].tolist()
-    assert (cell[192 + 2 : 192 + width] == 0).all()  # k row 0, columns 2.. of panel 1 do not exist
+    # byte j = 4g + i of the column's codes (k = j and j + 16) at group g, lane `col`, byte i
+    assert [int(cell[192 + (j // 4) * 4 * width + 4 * col + j % 4]) for j in range(16)] == raw[row, block, 4:].tolist()
+    assert (cell[192 + 4 * 2 : 192 + 4 * width] == 0).all()  # group 0, columns 2.. of panel 1 do not exist
 
 
 def test_routes_by_row_count():
@@ -296,3 +297,20 @@ def test_gguf_blocks_setting():
     assert parse_config(["--gguf-blocks", "off"], environ={}).gguf_blocks == "off"
     with pytest.raises(SystemExit):
         parse_config(["--gguf-blocks", "sometimes"], environ={})
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_q8_0_blocks_with_tiny_scales_give_the_float32_result_bit_for_bit(rows):
+    """Q8_0 codes come out of their lanes as code << 24 and are scaled by
+    d * 2^-24 (packed_gemm.c, Q8_UNSHIFT): still d * code exactly, for
+    float16-subnormal scales too (weights ~1e-7, d ~1e-9)."""
+    weight, raw = quantized("Q8_0", 100, 96, seed=rows)
+    raw = raw.clone()
+    tiny = (raw[:, :, 0:2].contiguous().view(torch.float16) * 1e-5).view(torch.uint8)
+    raw[:, :, 0:2] = tiny
+    assert (tiny.view(torch.float16).abs() < 6.1e-5).all()  # below float16's smallest normal
+    d = raw[:, :, 0:2].contiguous().view(torch.float16).float()
+    weight = (d * raw[:, :, 2:].view(torch.int8).float()).reshape(100, 96)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = linear(x, weight, None, PackedWeight(pack(weight), pack_blocks("Q8_0", raw)))
+    assert torch.equal(got, float32_panels(x, weight, None))

@@ -16,9 +16,9 @@
  * bias (or zero) over k = 0..K-1 in order, fma(x_k, w_k, acc), and w_k is
  * the very float32 value expand_block writes: fma(d, code, m) rounded once
  * (Q4_1), d * code (Q8_0), the exact widening (BF16). A Q4_1 block's k 0..15
- * are the low nibbles of its 16 code rows, k 16..31 the high ones, so the
- * rows are read twice (from L1) to keep k in order; a BF16 pair's even k is
- * the low half of each 32-bit lane and is multiplied first.
+ * are the low nibbles of its codes, k 16..31 the high ones, so the codes are
+ * read twice (from L1) to keep k in order; a BF16 pair's even k is the low
+ * half of each 32-bit lane and is multiplied first.
  *
  * Threads, (chunk, panel) items and the prefetch of the same block of the
  * next panel (spread over the block's k steps, as expand_block spreads it)
@@ -89,29 +89,31 @@ static inline __attribute__((always_inline)) void fused_tile(
             const uint8_t *q = qp + 4 * NR;
 #pragma GCC unroll 32
             for (int k = 0; k < QK; k++) {
-                /* Reload the code rows for k 16..31: kept live from k 0..15
+                /* Reload the codes for k 16..31: kept live from k 0..15
                  * (the compiler's choice, unprompted) they spill at 4 rows. */
                 if (k == QK / 2)
                     __asm__ volatile("" ::: "memory");
                 prefetch_share(pf, k, QK, lines);
+                /* Code k is byte k % 4 of group (k % 16) / 4, low nibble below 16. */
                 for (int j = 0; j < NV; j++) {
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (k % 16) * NR + 16 * j)));
+                    const __m512i v = lane_byte(_mm512_loadu_si512((const void *)(q + k % 16 / 4 * 4 * NR + 64 * j)), k % 4);
                     const __m512i code = k < QK / 2 ? _mm512_and_si512(v, _mm512_set1_epi32(15)) : _mm512_srli_epi32(v, 4);
                     w[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(code), m[j]);
                 }
                 FMA_ROWS(mr, acc, ab, lda, k, w);
             }
         } else {
-            __m512 d[NV];
+            __m512 d[NV]; /* d * 2^-24, for codes << 24 (Q8_UNSHIFT) */
             for (int j = 0; j < NV; j++)
-                d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j)));
+                d[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j))),
+                                     _mm512_set1_ps(Q8_UNSHIFT));
             const uint8_t *q = qp + 2 * NR;
 #pragma GCC unroll 32
             for (int k = 0; k < QK; k++) {
                 prefetch_share(pf, k, QK, lines);
                 for (int j = 0; j < NV; j++) {
-                    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR + 16 * j)));
-                    w[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(v));
+                    const __m512i v = _mm512_loadu_si512((const void *)(q + k / 4 * 4 * NR + 64 * j));
+                    w[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(lane_byte_high(v, k % 4)));
                 }
                 FMA_ROWS(mr, acc, ab, lda, k, w);
             }

@@ -40,6 +40,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -156,14 +157,20 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
  * as bfloat16 in blocks of 32 k, regrouped at load so that one block of one
  * panel is contiguous:
  *
- *     Q4_1 (960 bytes):  f16 d[48] | f16 m[48] | u8 q[16][48]
- *                        q[j][c] = code(k = j) | code(k = j + 16) << 4
- *     Q8_0 (1632 bytes): f16 d[48] | i8 q[32][48]
+ *     Q4_1 (960 bytes):  f16 d[48] | f16 m[48] | u8 q[4][48][4]
+ *                        q[g][c][i] = code(k = 4g + i) | code(k = 4g + i + 16) << 4
+ *     Q8_0 (1632 bytes): f16 d[48] | i8 q[8][48][4]
+ *                        q[g][c][i] = code(k = 4g + i)
  *     BF16 (3072 bytes): bf16 w[16][48][2]
  *                        w[s][c][i] = weight of column c at k = 2s + i
  *
- * (BF16 pairs consecutive k per column: the operand order of the bf16
- * dot-product kernel below, which reads the same blocks.)
+ * Each format keeps consecutive k of one column side by side in one 32-bit
+ * lane (4 codes, or 2 bfloat16): one 64-byte load is 16 columns x 4 k (8 k
+ * for Q4_1's two nibbles), the operand order of the dot-product kernels,
+ * which read the same blocks (VPDPBUSD over int8 activations,
+ * int8_blocks.h; VDPBF16PS, bf16_dot_gemm.h). The float32 paths below take
+ * code k out of byte k % 4 of each lane with a shift (and a mask, or an
+ * arithmetic shift for Q8_0's signed codes).
  *
  * A bfloat16 weight is the top half of a float32 one, so widening it is
  * exact and the product is float32 arithmetic on bfloat16 weights: what a
@@ -201,6 +208,40 @@ static int64_t quant_block_bytes(int fmt)
     return fmt == FMT_Q4_1 ? 4 * NR + QK / 2 * NR : fmt == FMT_Q8_0 ? 2 * NR + QK * NR : 2 * QK * NR;
 }
 
+/* Byte i (0..3) of every 32-bit lane of v, zero-extended (lane_byte), or
+ * moved to the lane's top byte over 24 zero bits (lane_byte_high: the int32
+ * code << 24, signed as the code). One in-lane byte shuffle, on the port
+ * that zero/sign-extending loads used before the codes were grouped by 4 k;
+ * shifts would queue with the float conversions on the other (8 float rows
+ * ran 14-25% slower that way). */
+static inline __m512i lane_byte(__m512i v, int i)
+{
+#ifdef __AVX512BW__
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi32((int)0x80808000u + i, (int)0x80808004u + i,
+                                                                         (int)0x80808008u + i, (int)0x8080800Cu + i)));
+#else
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF));
+#endif
+}
+
+static inline __m512i lane_byte_high(__m512i v, int i)
+{
+#ifdef __AVX512BW__
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi32((int)(0x00808080u | (unsigned)i << 24),
+                                                                         (int)(0x00808080u | (unsigned)(4 + i) << 24),
+                                                                         (int)(0x00808080u | (unsigned)(8 + i) << 24),
+                                                                         (int)(0x00808080u | (unsigned)(12 + i) << 24))));
+#else
+    return _mm512_slli_epi32(_mm512_srli_epi32(v, 8 * i), 24);
+#endif
+}
+
+/* A Q8_0 code comes as code << 24 (lane_byte_high): float(code << 24) is
+ * code * 2^24 exactly, and (d * 2^-24) * that is d * code exactly (d has 11
+ * significant bits, code 8; d * 2^-24 stays a normal float), the very value
+ * d * float(code) gives. */
+#define Q8_UNSHIFT 0x1p-24f
+
 /* The weights of one block of one panel, as QK x NR float32 rows of k.
  * `pf` (or NULL): the same block of the next panel, prefetched a line every
  * third vector of output; issued together, the prefetches would fill the
@@ -228,25 +269,30 @@ static inline void expand_block(float *buf, const uint8_t *qp, int fmt, const ch
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * j)));
         if (fmt == FMT_Q4_1) {
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + NR + 16 * j)));
-            const uint8_t *q = qp + 4 * NR + 16 * j;
+            const uint8_t *q = qp + 4 * NR + 64 * j;
+            /* Unrolled: k % 4 picks a constant shuffle (a variable one costs more than it moves). */
+#pragma GCC unroll 16
             for (int k = 0; k < QK / 2; k++) {
                 const int step = j * QK / 2 + k; /* 48 steps for 15 lines */
                 if (step % 3 == 0 && step / 3 < lines)
                     _mm_prefetch(pf + 64 * (step / 3), _MM_HINT_T0);
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR)));
+                const __m512i v = lane_byte(_mm512_loadu_si512((const void *)(q + (k / 4) * 4 * NR)), k % 4);
                 const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
                 const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
                 _mm512_store_ps(buf + k * NR + 16 * j, _mm512_fmadd_ps(d, lo, m));
                 _mm512_store_ps(buf + (k + QK / 2) * NR + 16 * j, _mm512_fmadd_ps(d, hi, m));
             }
         } else {
-            const uint8_t *q = qp + 2 * NR + 16 * j;
+            const uint8_t *q = qp + 2 * NR + 64 * j;
+            const __m512 d24 = _mm512_mul_ps(d, _mm512_set1_ps(Q8_UNSHIFT));
+#pragma GCC unroll 32
             for (int k = 0; k < QK; k++) {
                 const int step = j * QK + k; /* 96 steps for 26 lines */
                 if (step % 3 == 0 && step / 3 < lines)
                     _mm_prefetch(pf + 64 * (step / 3), _MM_HINT_T0);
-                const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * NR)));
-                _mm512_store_ps(buf + k * NR + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+                const __m512i v = _mm512_loadu_si512((const void *)(q + (k / 4) * 4 * NR));
+                const __m512 code = _mm512_cvtepi32_ps(lane_byte_high(v, k % 4));
+                _mm512_store_ps(buf + k * NR + 16 * j, _mm512_mul_ps(d24, code));
             }
         }
     }
@@ -308,6 +354,57 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
     if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0 && fmt != FMT_BF16) || K <= 0 || K % QK != 0)
         return -3;
     gemm_blocks(c, ldc, a, lda, blocks, fmt, bias, M, N, K, num_threads);
+    return 0;
+}
+
+#include "int8_blocks.h"
+
+/* 1 where this CPU runs VPDPBUSD (AVX512-VNNI): the int8 kernel's condition. */
+int packed_gemm_int8_native(void) { return __builtin_cpu_supports("avx512vnni") ? 1 : 0; }
+
+/* The int8 quantisation of rows of a [M, K] that packed_gemm_quant_int8
+ * multiplies by (int8_blocks.h): q [M][K], scale and sum [M][K/32]. Returns
+ * 0; -3 for a K that is not a positive multiple of 32. */
+int quantize_rows_int8(int8_t *q, float *scale, float *sum, const float *a, int64_t lda, int M, int K)
+{
+    if (K <= 0 || K % QK != 0)
+        return -3;
+    int32_t *bias128 = int8_scratch_bytes((size_t)M * (K / QK) * sizeof(int32_t));
+    if (!bias128)
+        return -1;
+    quantize_rows(q, scale, sum, bias128, a, lda, M, K);
+    return 0;
+}
+
+/* C = A @ W^T (+ bias) over Q4_1/Q8_0 block panels, A quantised to int8 per
+ * row and block of 32 k first (int8_blocks.h): llama.cpp's arithmetic, not
+ * the float32 path's result. Returns 0; -2 where the CPU has no AVX512-VNNI;
+ * -3 for a format other than Q4_1/Q8_0 or a K the blocks cannot hold; -1 if
+ * the scratch for the quantised rows cannot be allocated. */
+int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                           const float *bias, int M, int N, int K, int num_threads)
+{
+    if ((fmt != FMT_Q4_1 && fmt != FMT_Q8_0) || K <= 0 || K % QK != 0)
+        return -3;
+    if (!packed_gemm_int8_native())
+        return -2;
+    if (M <= 0 || N <= 0)
+        return 0;
+    const int nb = K / QK;
+    /* rows | q [M][K] | d, s [M][nb] | bias128 [M][nb], each 64-byte aligned */
+    const size_t rows_bytes = ((size_t)M * sizeof(struct int8_row) + 63) / 64 * 64;
+    const size_t q_bytes = ((size_t)M * K + 63) / 64 * 64, f_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
+    char *scratch = int8_scratch_bytes(rows_bytes + q_bytes + 3 * f_bytes);
+    if (!scratch)
+        return -1;
+    struct int8_row *x = (struct int8_row *)scratch;
+    int8_t *q = (int8_t *)(scratch + rows_bytes);
+    float *d = (float *)(scratch + rows_bytes + q_bytes), *s = (float *)(scratch + rows_bytes + q_bytes + f_bytes);
+    int32_t *bias128 = (int32_t *)(scratch + rows_bytes + q_bytes + 2 * f_bytes);
+    quantize_rows(q, d, s, bias128, a, lda, M, K);
+    for (int r = 0; r < M; r++)
+        x[r] = (struct int8_row){q + (int64_t)r * K, d + (int64_t)r * nb, s + (int64_t)r * nb, bias128 + (int64_t)r * nb};
+    gemm_int8(c, ldc, x, blocks, fmt, bias, M, N, K, num_threads);
     return 0;
 }
 
@@ -397,6 +494,22 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
 }
 
 int packed_gemm_bf16_dot_native(void) { return 0; }
+
+int packed_gemm_int8_native(void) { return 0; }
+
+int quantize_rows_int8(int8_t *q, float *scale, float *sum, const float *a, int64_t lda, int M, int K)
+{
+    (void)q; (void)scale; (void)sum; (void)a; (void)lda; (void)M; (void)K;
+    return -1;
+}
+
+int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                           const float *bias, int M, int N, int K, int num_threads)
+{
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
+    (void)num_threads;
+    return -1;
+}
 
 int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                          const float *bias, int M, int N, int K, int native, int num_threads)
