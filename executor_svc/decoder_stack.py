@@ -18,8 +18,8 @@ Where it applies (`DecoderStack.build` says None otherwise, and
 - a step whose every query token is a decode item of the attention kernel
   (no prefill chunk; in --deterministic mode every step qualifies);
 - every linear routed, at the step's row count, to the packed kernel
-  (panels, blocks, or the BF16 blocks' dot loop: packed_linear.route), not
-  to MKL or oneDNN.
+  (panels, blocks, the BF16 blocks' dot loop, int8 activations over GGUF
+  blocks: packed_linear.route), not to MKL or oneDNN.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ log = structlog.get_logger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "decoder_stack.c")
 LINEARS = ("qkv", "o", "gate_up", "down")
-_PANELS, _BLOCKS, _DOT = 0, 1, 2  # ds_linear.route
-_ROUTES = ("panels", "blocks", "gguf", "dot")  # packed_linear.route's answers the driver runs
+_PANELS, _BLOCKS, _DOT, _INT8 = 0, 1, 2, 3  # ds_linear.route
+_ROUTES = ("panels", "blocks", "gguf", "dot", "int8")  # packed_linear.route's answers the driver runs
 _VP, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -68,6 +68,7 @@ class _Model(ctypes.Structure):
             "gemm_panels",
             "gemm_blocks",
             "gemm_bf16_dot",
+            "gemm_int8",
             "rms_norm",
             "rope",
             "silu_mul",
@@ -156,6 +157,7 @@ class DecoderStack:
             gemm_panels=_address(gemm.gemm),
             gemm_blocks=_address(gemm.gemm_blocks),
             gemm_bf16_dot=_address(gemm.gemm_bf16_dot),
+            gemm_int8=_address(gemm.gemm_int8),
             rms_norm=_address(f32.rms_norm_f32),
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),
@@ -243,10 +245,12 @@ class DecoderStack:
                 bias = _ptr(layer.qkv_bias if name == "qkv" else None)
                 if how == "panels":
                     linear = _Linear(packed.panels.data_ptr(), bias, _PANELS, 0)
+                elif how == "dot":
+                    linear = _Linear(packed.blocks.data.data_ptr(), bias, _DOT, 0)
                 else:
-                    blocks = packed.gguf if how == "gguf" else packed.blocks
-                    fmt = BLOCK_FORMATS[blocks.kind][0] if how != "dot" else 0
-                    linear = _Linear(blocks.data.data_ptr(), bias, _DOT if how == "dot" else _BLOCKS, fmt)
+                    blocks = {"blocks": packed.blocks, "gguf": packed.gguf, "int8": packed.gguf_blocks}[how]
+                    code = _INT8 if how == "int8" else _BLOCKS
+                    linear = _Linear(blocks.data.data_ptr(), bias, code, BLOCK_FORMATS[blocks.kind][0])
                 setattr(entry, name, linear)
         return table
 

@@ -123,6 +123,20 @@ def test_stack_runs_the_bf16_dot_route_as_python_does(tiny_gguf):
     assert counter.taken >= 8
 
 
+@pytest.mark.skipif(not (NATIVE and packed_linear.kernel().int8_native), reason="int8 activations need AVX512-VNNI")
+def test_stack_runs_the_int8_route_as_python_does(tiny_gguf):
+    """--gguf-activations int8: the stack calls the same quantising kernel."""
+    native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    for layer in native.model.layers:
+        layer.packed = {name: replace(p, int8_rows=32) for name, p in layer.packed.items()}
+    assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "int8"
+    native.stack._by_rows.clear()
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320, lengths=(9, 30, 17))
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 8
+
+
 def test_stack_takes_decodes_only_and_falls_back_elsewhere(tiny_gguf):
     native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
     native.stack = counter = Counting(native.stack)

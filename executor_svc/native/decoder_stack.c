@@ -13,7 +13,8 @@
  * Scope (decoder_stack.py decides, per step): float32 activations, a float32
  * or bfloat16 KV cache, every linear on a packed route (GGUF or BF16 blocks:
  * packed_gemm_quant; float32 panels: packed_gemm; the BF16 blocks' dot
- * kernel: packed_gemm_bf16_dot), and every query token a
+ * kernel: packed_gemm_bf16_dot; int8 activations: packed_gemm_quant_int8),
+ * and every query token a
  * decode item of paged_decode_attention (decode-only steps, and every step of
  * --deterministic, whose prefill tokens are decode items too). Anything else
  * runs layer by layer in Python.
@@ -50,13 +51,13 @@ typedef int (*decode_attention_fn)(void *out, int64_t out_tok_stride, int64_t ou
                                    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
                                    float scale, int num_threads);
 
-enum { DS_PANELS = 0, DS_BLOCKS = 1, DS_DOT = 2 };
+enum { DS_PANELS = 0, DS_BLOCKS = 1, DS_DOT = 2, DS_INT8 = 3 };
 
 typedef struct {
-    const void *weights; /* float32 panels (DS_PANELS) or block panels (DS_BLOCKS, DS_DOT: BF16) */
+    const void *weights; /* float32 panels (DS_PANELS) or block panels (DS_BLOCKS, DS_INT8; DS_DOT: BF16) */
     const float *bias;   /* or NULL */
-    int64_t route;       /* DS_PANELS, DS_BLOCKS or DS_DOT */
-    int64_t fmt;         /* packed_gemm_quant's block format (DS_BLOCKS) */
+    int64_t route;       /* DS_PANELS, DS_BLOCKS, DS_DOT or DS_INT8 */
+    int64_t fmt;         /* the block format (DS_BLOCKS, DS_INT8) */
 } ds_linear;
 
 typedef struct {
@@ -69,6 +70,7 @@ typedef struct {
     gemm_panels_fn gemm_panels;
     gemm_blocks_fn gemm_blocks;
     gemm_bf16_dot_fn gemm_bf16_dot;
+    gemm_blocks_fn gemm_int8; /* packed_gemm_quant_int8: int8 activations over Q4_1/Q8_0 blocks */
     rms_norm_fn rms_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
@@ -133,6 +135,8 @@ static int linear(const ds_model *m, const ds_linear *w, float *out, const float
             xb[i] = to_bf16(x[i]);
         return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads);
     }
+    if (w->route == DS_INT8)
+        return m->gemm_int8(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
     if (w->route == DS_BLOCKS)
         return m->gemm_blocks(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
     return m->gemm_panels(out, n, x, k, w->weights, w->bias, rows, n, k, threads);
@@ -210,7 +214,7 @@ static const struct {
     SIZE(ds_layer), FIELD(ds_layer, input_norm), FIELD(ds_layer, post_norm), FIELD(ds_layer, k_cache),
     FIELD(ds_layer, v_cache), FIELD(ds_layer, qkv), FIELD(ds_layer, o), FIELD(ds_layer, gate_up),
     FIELD(ds_layer, down),
-    SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot),
+    SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot), FIELD(ds_model, gemm_int8),
     FIELD(ds_model, rms_norm),
     FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write_bf16), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),
