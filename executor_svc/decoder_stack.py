@@ -47,6 +47,10 @@ SOURCE = os.path.join(os.path.dirname(__file__), "native", "decoder_stack.c")
 LINEARS = ("qkv", "o", "gate_up", "down")
 _PANELS, _BLOCKS, _DOT, _INT8 = 0, 1, 2, 3  # ds_linear.route
 _ROUTES = ("panels", "blocks", "gguf", "dot", "int8")  # packed_linear.route's answers the driver runs
+# Steps of up to this many rows reuse one scratch buffer (decode batches);
+# larger ones (--deterministic prefills) allocate theirs per step, as the
+# Python path's activations are, so the buffer never holds a prefill's size.
+_KEPT_SCRATCH_ROWS = 256
 _VP, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
 
@@ -177,26 +181,33 @@ class DecoderStack:
             eps=cfg.rms_norm_eps,
             scale=first.scale,
         )
-        # Layer tables by row count and by routes; None where a route is not native.
+        # Layer tables by row count and by routes; None where a route is not
+        # native. A table holds raw pointers into the packed weights: each
+        # entry keeps the PackedWeights it was built from alive beside it.
         self._by_rows: dict[int, ctypes.Array | None] = {}
-        self._by_routes: dict[tuple[str, ...], ctypes.Array | None] = {}
-        self._scratch = torch.empty(0)
+        self._by_routes: dict[tuple[str, ...], tuple[ctypes.Array, list] | None] = {}
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     @staticmethod
     def build(model: LlamaForCausalLM, kv_caches: list[KVCache]) -> DecoderStack | None:
         """A stack for `model` over `kv_caches`, or None where the driver cannot run them (see the module doc)."""
-        from executor_svc.attention.cpu_backend import CpuAttentionBackend
+        from executor_svc.attention.cpu_backend import _MAX_HEADS, CpuAttentionBackend
 
         k_cache = kv_caches[0][0] if kv_caches else None
         f32 = fused_ops._LIBRARIES[torch.float32]()
+        first = model.layers[0] if len(model.layers) else None
         usable = (
             k_cache is not None
+            and first is not None
             and k_cache.device.type == "cpu"
+            # The checks CpuAttentionBackend.forward makes before its kernel call:
+            # the kernel keeps per-head state in arrays of _MAX_HEADS.
+            and first.num_heads % first.num_kv_heads == 0
+            and first.num_heads <= _MAX_HEADS
+            and k_cache.shape[2:] == (first.num_kv_heads, first.head_dim)
             and model.tp_size == 1
             and isinstance(model.attn_backend, CpuAttentionBackend)
             and model.compute_dtype == torch.float32
-            and model.kernels == Kernels()
-            and all(layer.kernels == Kernels() for layer in model.layers)
             and kernel() is not None
             and f32 is not None
             and f32.silu_mul_f32(None, 0, None, 0, 0, 0, 1) == 0  # 0 = its vector path is built
@@ -206,21 +217,34 @@ class DecoderStack:
             )
             and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )
-        lib = _lib() if usable else None
+        lib = _lib() if usable and DecoderStack._kernels_unchanged(model) else None
         if lib is None:
             log.info("decoder_stack", path="python")
             return None
         log.info("decoder_stack", path="native", applies_to="steps of decodes only, on packed routes")
         return DecoderStack(model, kv_caches, lib)
 
+    @staticmethod
+    def _kernels_unchanged(model: LlamaForCausalLM) -> bool:
+        """Whether the model and every layer still run the default Kernels
+        (tests and the CUDA --deterministic path swap them)."""
+        default = Kernels()
+        return model.kernels == default and all(layer.kernels == default for layer in model.layers)
+
     def _same_kernels(self) -> bool:
         """Whether the Python path would still call the kernels this stack calls:
         tests and bench.fused_ops_ab swap Kernels or switch fused libraries off."""
         return (
-            self._model_ref.kernels == Kernels()
+            self._kernels_unchanged(self._model_ref)
             and fused_ops._LIBRARIES[torch.float32]() is not None
             and (not self._model.kv_bf16 or fused_ops._LIBRARIES[torch.bfloat16]() is not None)
         )
+
+    def refresh(self) -> None:
+        """Forgets the layer tables. The packed weights are fixed once loaded
+        (weight_packing.py); whoever replaces a layer's `packed` (tests) calls this."""
+        self._by_rows.clear()
+        self._by_routes.clear()
 
     def _layers_for(self, rows: int) -> ctypes.Array | None:
         """The layer table for `rows` rows: None where some linear does not take
@@ -231,17 +255,20 @@ class DecoderStack:
             if routes not in self._by_routes:
                 native = all(how in _ROUTES for how in routes)
                 self._by_routes[routes] = self._table(routes) if native else None
-            self._by_rows[rows] = self._by_routes[routes]
+            entry = self._by_routes[routes]
+            self._by_rows[rows] = None if entry is None else entry[0]
         return self._by_rows[rows]
 
-    def _table(self, routes: tuple[str, ...]) -> ctypes.Array:
+    def _table(self, routes: tuple[str, ...]) -> tuple[ctypes.Array, list]:
+        """(the layer table for `routes`, the PackedWeights its pointers point into)."""
         table = (_Layer * len(self._model_ref.layers))()
-        hows = iter(routes)
+        hows, kept = iter(routes), []
         for entry, layer, (k_cache, v_cache) in zip(table, self._model_ref.layers, self._kv, strict=True):
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             for name in LINEARS:
                 packed, how = layer.packed[name], next(hows)
+                kept.append(packed)
                 bias = _ptr(layer.qkv_bias if name == "qkv" else None)
                 if how == "panels":
                     linear = _Linear(packed.panels.data_ptr(), bias, _PANELS, 0)
@@ -252,14 +279,20 @@ class DecoderStack:
                     code = _INT8 if how == "int8" else _BLOCKS
                     linear = _Linear(blocks.data.data_ptr(), bias, code, BLOCK_FORMATS[blocks.kind][0])
                 setattr(entry, name, linear)
-        return table
+        return table, kept
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, meta: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
     ) -> torch.Tensor | None:
         """The final-normed hidden states [T, hidden] of the layers run over the
         embedded tokens `h` (updated in place, as the Python path updates it),
         or None, having done nothing, for a step the driver does not take."""
+        assert kv_caches is self._kv, "a DecoderStack runs over the KV cache it was built for"
         plan = meta.extra.get(self._backend.name)
         if plan is None or plan.has_prefills or plan.decodes is None or not self._same_kernels():
             return None
@@ -278,13 +311,17 @@ class DecoderStack:
         assert tables.stride(1) == 1 and seq_lens.is_contiguous() and meta.slot_mapping.dtype == torch.int64
         slots = meta.slot_mapping.contiguous()
         need = self._lib.decoder_stack_scratch_floats(ctypes.byref(self._model), rows)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        if rows > _KEPT_SCRATCH_ROWS:  # a --deterministic prefill: this step's own, freed after it
+            scratch = torch.empty(need, dtype=torch.float32)
+        else:
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=torch.float32)
+            scratch = self._scratch
         out = torch.empty_like(h)
         step = _Step(
             h=h.data_ptr(),
             out=out.data_ptr(),
-            scratch=self._scratch.data_ptr(),
+            scratch=scratch.data_ptr(),
             cos=cos.data_ptr(),
             sin_signed=sin_signed.data_ptr(),
             slots=slots.data_ptr(),
@@ -302,5 +339,6 @@ class DecoderStack:
             raise IndexError(f"a KV slot outside the cache's {self._model.num_slots}: {slots.tolist()}")
         if status == -3:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
-        assert status == 0, f"decoder_stack_forward returned {status}"
+        if status != 0:
+            raise RuntimeError(f"decoder_stack_forward: a kernel refused the step (status {status})")
         return out

@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions]
         sin_signed = self.rope_sin_signed[positions]
         h, delta = F.embedding(input_ids, self.embed_tokens).to(self.compute_dtype), None
-        if stack is not None and (out := stack.forward(h, cos, sin_signed, meta)) is not None:
+        if stack is not None and (out := stack.forward(h, cos, sin_signed, meta, kv_caches)) is not None:
             return out
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cos, sin_signed, kv_cache, meta)

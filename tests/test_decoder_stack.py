@@ -116,7 +116,7 @@ def test_stack_runs_the_bf16_dot_route_as_python_does(tiny_gguf):
     for layer in native.model.layers:
         layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
     assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "dot"
-    native.stack._by_rows.clear()
+    native.stack.refresh()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 30, 17))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
@@ -130,7 +130,7 @@ def test_stack_runs_the_int8_route_as_python_does(tiny_gguf):
     for layer in native.model.layers:
         layer.packed = {name: replace(p, int8_rows=32) for name, p in layer.packed.items()}
     assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "int8"
-    native.stack._by_rows.clear()
+    native.stack.refresh()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 30, 17))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
@@ -150,7 +150,7 @@ def test_stack_takes_decodes_only_and_falls_back_elsewhere(tiny_gguf):
 def test_a_step_with_a_non_native_route_runs_in_python(tiny_gguf, monkeypatch):
     native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
     monkeypatch.setattr(decoder_stack, "route", lambda rows, packed: "torch")  # as if every GEMM went to MKL
-    native.stack._by_rows.clear()
+    native.stack.refresh()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 17))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
@@ -218,7 +218,7 @@ def test_a_slot_outside_the_cache_raises_and_changes_nothing(tiny_gguf):
     )
     native.attn_backend.prepare(meta)
     with pytest.raises(IndexError):
-        native.stack.forward(h, native.model.rope_cos[:1], native.model.rope_sin_signed[:1], meta)
+        native.stack.forward(h, native.model.rope_cos[:1], native.model.rope_sin_signed[:1], meta, native.kv_caches)
     assert torch.equal(h, h0), "h must not change when the step is refused"
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(native.kv_caches, caches))
 
@@ -231,3 +231,30 @@ def test_the_executor_option_turns_the_stack_on_and_off(setting):
     worker = Worker(ExecutorConfig(kv_cache_gib=0.01, dtype="float32", decoder_stack=setting))  # embedded model
     worker.configure(block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=4)
     assert (worker.runner.stack is not None) == (setting == "auto")
+
+
+def test_wide_decode_batches_take_the_panels_route_bit_for_bit(tiny_gguf):
+    """36 decodes at once: past the GGUF blocks' 32 rows, the float32 panels."""
+    native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    native.stack = counter = Counting(native.stack)
+    assert packed_linear.route(36, native.model.layers[0].packed["qkv"]) == "panels"
+    gen = torch.Generator().manual_seed(5)
+    work = [Job(f"w{i}", torch.randint(3, 320, (4 + i % 5,), generator=gen).tolist(), 3, GREEDY) for i in range(36)]
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken == 2  # one prefill step of all 36, then two steps of 36 decodes
+
+
+def test_a_layer_whose_kernels_were_swapped_after_the_build_turns_the_stack_off(tiny_gguf):
+    native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+    native.model.layers[1].kernels = Kernels(linear=lambda *args: packed_linear.linear(*args))
+    native.stack = counter = Counting(native.stack)
+    PlanDriver(native, BLOCK).run([Job("a", list(range(3, 20)), 3, GREEDY)])
+    assert counter.taken == 0
+
+
+def test_a_deterministic_prefill_does_not_keep_its_scratch(tiny_gguf):
+    native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=True)
+    PlanDriver(native, BLOCK).run([Job("a", list(range(3, 303)), 2, GREEDY)])  # a 300-token step, then a decode
+    kept = native.stack._scratch.numel()
+    one_row = decoder_stack._lib().decoder_stack_scratch_floats(ctypes.byref(native.stack._model), 1)
+    assert 0 < kept <= one_row * 4, f"kept {kept} floats after the 300-row step"

@@ -154,8 +154,8 @@ static void write_kv_f32(float *k_cache, float *v_cache, const float *qkv, int64
 
 /* Runs every layer and the final norm. Returns 0; -2 (nothing run) for a slot
  * outside the cache; -3 if the attention kernel could not allocate; -4 if a
- * GEMM or SiLU*mul kernel refused (no vector path: decoder_stack.py never
- * lets that happen). */
+ * GEMM, SiLU*mul or K/V-write kernel refused (no vector path: decoder_stack.py
+ * never lets that happen). */
 int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_step *s)
 {
     const int T = (int)s->num_tokens, H = (int)m->hidden, I = (int)m->inter, D = (int)m->head_dim;
@@ -179,7 +179,7 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         if (m->kv_bf16) {
             if (m->kv_write_bf16(L->k_cache, L->v_cache, m->num_slots, qkv + Q, QKV, D, qkv + Q + NKV * D, QKV, D,
                                  1, s->slots, T, NKV, D))
-                return -2;
+                return -4; /* slots were checked above: only a build without AVX-512 refuses */
         } else {
             write_kv_f32(L->k_cache, L->v_cache, qkv, QKV, Q, Q + NKV * D, s->slots, T, (int64_t)NKV * D);
         }
