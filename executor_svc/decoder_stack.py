@@ -34,12 +34,12 @@ import torch
 
 from executor_svc import fused_ops
 from executor_svc.layer_ops import Kernels
+from executor_svc.model import KVCache, LlamaForCausalLM
 from executor_svc.native_build import load_library
 from executor_svc.packed_linear import BLOCK_FORMATS, kernel, route
 
 if TYPE_CHECKING:
     from executor_svc.attention.metadata import AttentionMetadata
-    from executor_svc.model import KVCache, LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -193,6 +193,8 @@ class DecoderStack:
         """A stack for `model` over `kv_caches`, or None where the driver cannot run them (see the module doc)."""
         from executor_svc.attention.cpu_backend import _MAX_HEADS, CpuAttentionBackend
 
+        if not isinstance(model, LlamaForCausalLM):  # a test's stand-in model
+            return None
         k_cache = kv_caches[0][0] if kv_caches else None
         f32 = fused_ops._LIBRARIES[torch.float32]()
         first = model.layers[0] if len(model.layers) else None

@@ -147,6 +147,12 @@ class ModelRunner:
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward over this runner's KV cache, through its decoder stack where it has one."""
+        if self.stack is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.stack)
+
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id)
@@ -167,7 +173,7 @@ class ModelRunner:
         if not batch.rows:
             return result
         with tp.fatal_on_error("the forward pass") if tp else contextlib.nullcontext():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.stack)
+            hidden = self._forward(input_ids, positions, meta)
         self.table.mark_computed(batch)
         states = batch.sampling_states
         if not states:
@@ -234,7 +240,7 @@ class ModelRunner:
         # Laid out exactly as a real step would be.
         input_ids, positions, meta, cu = self.prepare_inputs(batch)
         self.attn_backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.stack)
+        hidden = self._forward(input_ids, positions, meta)
         if self.tp is None or self.tp.is_driver:
             logits = self.model.compute_logits(hidden[torch.as_tensor(cu[1:] - 1, device=self.device)])
             # Equal logits put top-p's nucleus beyond its candidate tokens (in
