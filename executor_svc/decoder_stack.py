@@ -223,7 +223,8 @@ class DecoderStack:
         if lib is None:
             log.info("decoder_stack", path="python")
             return None
-        log.info("decoder_stack", path="native", applies_to="steps of decodes only, on packed routes")
+        steps = "every step" if model.attn_backend.batch_invariant else "decode-only steps"
+        log.info("decoder_stack", path="native", applies_to=f"{steps} whose linears take packed routes")
         return DecoderStack(model, kv_caches, lib)
 
     @staticmethod
