@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded model's location and a Hugging Face reference."""
+"""Shared fixtures: the embedded model's location, a Hugging Face reference, and a tiny GGUF."""
 
 from __future__ import annotations
 
@@ -64,3 +64,20 @@ def english_prompts() -> list[str]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> str:
+    """A tiny random Qwen2 (qkv bias, head_dim 64, so the native decode kernel's
+    AVX-512 path runs) saved as a Q8_0 GGUF: GGUF blocks, float32 panels and,
+    for bfloat16, BF16 blocks all take part (test_deterministic.py,
+    test_decoder_stack.py)."""
+    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny_gguf")
+    hf = save_tiny_hf_model(
+        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
+    )
+    path = str(folder / "tiny.Q8_0.gguf")
+    save_tiny_gguf(hf, path, "Q8_0")
+    return path

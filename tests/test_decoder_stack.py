@@ -35,19 +35,6 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=7, logprobs=3)
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
-    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
-
-    folder = tmp_path_factory.mktemp("tiny_stack")
-    hf = save_tiny_hf_model(
-        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
-    )
-    path = str(folder / "tiny.Q8_0.gguf")
-    save_tiny_gguf(hf, path, "Q8_0")
-    return path
-
-
 def runner_pair(path: str, dtype: torch.dtype, batch_invariant: bool) -> tuple[ModelRunner, ModelRunner]:
     """(with the stack, without it): two runners over one loaded model and two caches."""
     backend = get_backend("cpu", batch_invariant=batch_invariant)
@@ -108,28 +95,31 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_gguf, dtype, batch_inva
     assert counter.taken >= 8, f"the stack took only {counter.taken} steps"
 
 
-def test_stack_runs_the_bf16_dot_route_as_python_does(tiny_gguf):
-    """A bfloat16 model routed to the dot kernel (as on a CPU with AVX512-BF16;
-    emulated here where the CPU lacks it): the stack rounds activations to
-    bfloat16 as packed_linear._bf16_dot does."""
-    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant=False)
-    for layer in native.model.layers:
-        layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
-    assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "dot"
-    native.stack.refresh()
-    native.stack = counter = Counting(native.stack)
-    work = jobs(320, lengths=(9, 30, 17))
-    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
-    assert counter.taken >= 8
+INT8 = NATIVE and packed_linear.kernel().int8_native
 
 
-@pytest.mark.skipif(not (NATIVE and packed_linear.kernel().int8_native), reason="int8 activations need AVX512-VNNI")
-def test_stack_runs_the_int8_route_as_python_does(tiny_gguf):
-    """--gguf-activations int8: the stack calls the same quantising kernel."""
-    native, python = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
+@pytest.mark.parametrize(
+    "dtype, routed, how",
+    [
+        # A bfloat16 model routed to the dot kernel, as on a CPU with AVX512-BF16
+        # (emulated here where the CPU lacks it): the stack rounds activations
+        # to bfloat16 as packed_linear._bf16_dot does.
+        (torch.bfloat16, {"bf16_routes": ((1, "dot"),)}, "dot"),
+        # --gguf-activations int8: the stack calls the same quantising kernel.
+        pytest.param(
+            torch.float32,
+            {"int8_rows": 32},
+            "int8",
+            marks=pytest.mark.skipif(not INT8, reason="int8 activations need AVX512-VNNI"),
+        ),
+    ],
+    ids=["bf16-dot", "int8"],
+)
+def test_stack_runs_the_other_packed_routes_as_python_does(tiny_gguf, dtype, routed, how):
+    native, python = runner_pair(tiny_gguf, dtype, batch_invariant=False)
     for layer in native.model.layers:
-        layer.packed = {name: replace(p, int8_rows=32) for name, p in layer.packed.items()}
-    assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == "int8"
+        layer.packed = {name: replace(p, **routed) for name, p in layer.packed.items()}
+    assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == how
     native.stack.refresh()
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 30, 17))

@@ -35,19 +35,6 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=1234, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
-    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
-
-    folder = tmp_path_factory.mktemp("tiny")
-    hf = save_tiny_hf_model(
-        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
-    )
-    path = str(folder / "tiny.Q8_0.gguf")
-    save_tiny_gguf(hf, path, "Q8_0")
-    return path
-
-
 def make_runner(path: str, dtype: torch.dtype) -> ModelRunner:
     backend = get_backend("cpu", batch_invariant=True)
     loaded = load_model(
