@@ -10,6 +10,7 @@ import json
 import re
 import signal
 import string
+import threading
 import time
 
 import grpc
@@ -89,8 +90,18 @@ def stub(servers):
         yield pb_grpc.GenerationStub(channel)
 
 
-def generate(stub, constraint: pb.OutputConstraint | None, *, seed=0, n=1, max_tokens=80, stop=(), temperature=1.0):
-    """{index: (text, finish_reason, matched_stop, completion_tokens)}."""
+def generate(
+    stub,
+    constraint: pb.OutputConstraint | None,
+    *,
+    seed=0,
+    n=1,
+    max_tokens=80,
+    stop=(),
+    temperature=1.0,
+    on_response=None,
+):
+    """{index: (text, finish_reason, matched_stop, completion_tokens)}; `on_response(r)` sees each streamed chunk."""
     req = pb.GenerateRequest(
         chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=PROMPT)]),
         sampling=pb.SamplingParams(temperature=temperature, seed=seed, n=n),
@@ -100,6 +111,8 @@ def generate(stub, constraint: pb.OutputConstraint | None, *, seed=0, n=1, max_t
     texts: dict[int, str] = {}
     done = {}
     for r in stub.Generate(req, timeout=120):
+        if on_response is not None:
+            on_response(r)
         texts[r.index] = texts.get(r.index, "") + r.text
         if r.finish_reason:
             done[r.index] = (texts[r.index], r.finish_reason, r.matched_stop, r.usage.completion_tokens)
@@ -250,9 +263,17 @@ def test_a_killed_executor_resumes_constrained_streams_identically(servers, stub
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}, "maxItems": 30}
     constraint = pb.OutputConstraint(json_schema=json.dumps(schema))
     reference = [generate(stub, constraint, seed=seed, max_tokens=60) for seed in range(3)]
+    # Kill as soon as every stream has its first tokens (not after a fixed
+    # sleep: with one-call decode steps all three once finished within 1 s).
+    started = [threading.Event() for _ in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(generate, stub, constraint, seed=seed, max_tokens=60) for seed in range(3)]
-        time.sleep(1.0)
+        futures = [
+            pool.submit(
+                generate, stub, constraint, seed=seed, max_tokens=60, on_response=lambda r, e=started[seed]: e.set()
+            )
+            for seed in range(3)
+        ]
+        assert all(e.wait(60) for e in started), "a stream never started"
         servers.executor.send_signal(signal.SIGKILL)
         servers.executor.wait()
         assert not all(f.done() for f in futures), "the kill came too late to interrupt anything"
