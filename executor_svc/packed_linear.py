@@ -306,8 +306,6 @@ def linear(
         return onednn_linear.linear(x, packed.onednn, bias)
     if how == "dot":
         return _bf16_dot(x, weight, bias, packed.blocks)
-    if how == "int8":
-        return _int8(x, weight, bias, packed.gguf_blocks)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
@@ -318,12 +316,16 @@ def linear(
         assert bias.is_contiguous() and bias.shape == (out_features,), f"bias shape {tuple(bias.shape)}"
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
-    if how in ("blocks", "gguf"):
-        blocks = packed.blocks if how == "blocks" else packed.gguf
+    if how in ("blocks", "gguf", "int8"):
+        # int8: the same blocks and arguments; the kernel quantises x to int8
+        # per row and block of 32 k first (int8_blocks.h).
+        blocks = {"blocks": packed.blocks, "gguf": packed.gguf, "int8": packed.gguf_blocks}[how]
         assert (blocks.out_features, blocks.in_features) == (out_features, in_features), (
             f"block panels of a {blocks.out_features}x{blocks.in_features} weight used for {tuple(weight.shape)}"
         )
-        status = kernel().gemm_blocks(
+        assert how != "int8" or blocks.kind in INT8_KINDS, f"int8 activations over {blocks.kind} blocks"
+        gemm = kernel().gemm_int8 if how == "int8" else kernel().gemm_blocks
+        status = gemm(
             out.data_ptr(),
             out.stride(0),
             x.data_ptr(),
@@ -336,7 +338,7 @@ def linear(
             in_features,
             torch.get_num_threads(),
         )
-        assert status == 0, f"packed_gemm_quant returned {status} for {blocks.kind} {out_features}x{in_features}"
+        assert status == 0, f"{how} GEMM returned {status} for {blocks.kind} {out_features}x{in_features}"
     else:
         panels = packed.panels
         assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features, (
@@ -382,35 +384,6 @@ def _bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         torch.get_num_threads(),
     )
     assert status == 0, f"packed_gemm_bf16_dot returned {status} for {out_features}x{in_features}"
-    return out
-
-
-def _int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockPanels) -> torch.Tensor:
-    """x [M, in] float32, quantised to int8 per row and block of 32 k, @ the
-    Q4_1/Q8_0 blocks' weight (+ bias) -> float32 [M, out] (int8_blocks.h)."""
-    out_features, in_features = weight.shape
-    assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
-        f"int8 linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
-    )
-    assert blocks.kind in INT8_KINDS and (blocks.out_features, blocks.in_features) == (out_features, in_features)
-    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == (out_features,))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    status = kernel().gemm_int8(
-        out.data_ptr(),
-        out.stride(0),
-        x.data_ptr(),
-        x.stride(0),
-        blocks.data.data_ptr(),
-        BLOCK_FORMATS[blocks.kind][0],
-        None if bias is None else bias.data_ptr(),
-        x.shape[0],
-        out_features,
-        in_features,
-        torch.get_num_threads(),
-    )
-    assert status == 0, f"packed_gemm_quant_int8 returned {status} for {blocks.kind} {out_features}x{in_features}"
     return out
 
 
