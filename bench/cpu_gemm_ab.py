@@ -1,7 +1,7 @@
 """Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
     .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm|bf16-gguf-blocks|gguf-activations|
-        decoder-stack|bf16-decoder-stack]
+        decoder-stack|bf16-decoder-stack|bf16-prefill-attention]
         [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
@@ -18,7 +18,10 @@ the GGUF's blocks) with off (bfloat16 blocks only); --setting
 gguf-activations compares, in float32, --gguf-activations int8 (1-32 rows
 over the GGUF's blocks with int8 activations, AVX512-VNNI) with float;
 --setting decoder-stack (bf16-decoder-stack: in the bfloat16 path) compares
---decoder-stack auto (a decode step's layers in one native call) with off.
+--decoder-stack auto (a decode step's layers in one native call) with off;
+--setting bf16-prefill-attention compares, in the bfloat16 path, prefill
+attention through SDPA in bfloat16 (--prefill-attention sdpa) with the
+native kernel.
 Loads the embedded model twice, one executor per value, and times the same
 rows as bench.forward_sweep (decode batches at one context, a 64-decode step
 at a longer context, an 8 x 256-token prefill), alternating the two
@@ -51,6 +54,7 @@ SETTINGS = {
     "gguf-activations": ("gguf_activations", ("int8", "float"), {}),
     "decoder-stack": ("decoder_stack", ("auto", "off"), {}),
     "bf16-decoder-stack": ("decoder_stack", ("auto", "off"), {"dtype": "bfloat16"}),
+    "bf16-prefill-attention": ("prefill_attention", ("sdpa", "native"), {"dtype": "bfloat16"}),
 }
 
 

@@ -104,6 +104,14 @@ class ExecutorConfig:
         "once (for shared cores; slower when the cores are free); active = always spin. "
         "Sets OMP_WAIT_POLICY for this process.",
     )
+    prefill_attention: str = option(
+        "auto",
+        choices=("auto", "native", "sdpa"),  # cpu_backend.PREFILL_ROUTES
+        help="Prefill attention over a bfloat16 KV cache on CPU: native = the FMA kernel (float32 "
+        "arithmetic); sdpa = torch's SDPA in bfloat16 (oneDNN's bf16 or AMX GEMMs); auto = native, "
+        "except on CPUs with AVX512-BF16 or AMX, where both are timed at the first start and the "
+        "faster kept (attention/prefill_route.py). A float32 cache always takes the kernel.",
+    )
     decoder_stack: str = option(
         "auto",
         choices=("auto", "off"),
@@ -149,6 +157,8 @@ class ExecutorConfig:
             raise ValueError("--deterministic: --attention-backend torch (SDPA) orders its sums by the batch shape")
         if self.deterministic and self.cpu_gemm == "torch" and self.device != "cuda":
             raise ValueError("--deterministic on CPU: --cpu-gemm torch (MKL) orders its sums by the batch shape")
+        if self.deterministic and self.prefill_attention == "sdpa":
+            raise ValueError("--deterministic: --prefill-attention sdpa orders its sums by the batch shape")
         if self.deterministic and self.gguf_activations == "int8":
             raise ValueError("--deterministic: --gguf-activations int8 rounds activations by the row count's route")
         if not is_loopback(self.listen) and not self.auth_token:

@@ -39,6 +39,9 @@ from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
+# How prefills of a bfloat16 cache run: the native kernel, or SDPA in
+# bfloat16 (on CPUs with native bf16, when prefill_route.py measures it faster).
+PREFILL_ROUTES = ("native", "sdpa")
 # paged_decode.c's `bf16` bits: which operands are bfloat16 (else float32).
 _BF16_KV, _BF16_Q, _BF16_OUT = 1, 2, 4
 
@@ -78,11 +81,30 @@ class _CpuStepLayout:
 class CpuAttentionBackend:
     name = "cpu"
 
-    def __init__(self, kernel, prefill_kernel: PrefillKernel | None = None, batch_invariant: bool = False):
+    def __init__(
+        self,
+        kernel,
+        prefill_kernel: PrefillKernel | None = None,
+        batch_invariant: bool = False,
+        prefill_route: str = "native",
+    ):
         self._kernel = kernel
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
+        self.prefill_route = "native"
+        self.use_prefill_route(prefill_route)
+
+    def use_prefill_route(self, route: str) -> None:
+        """Prefills over a bfloat16 cache through `route` from the next step on:
+        "native" (the kernel, float32 arithmetic) or "sdpa" (SDPA with the
+        queries rounded to bfloat16). A float32 cache always takes the kernel;
+        batch-invariant mode, the decode kernel."""
+        if route not in PREFILL_ROUTES:
+            raise ValueError(f"prefill route {route!r}: expected one of {PREFILL_ROUTES}")
+        if route == "sdpa" and self.batch_invariant:
+            raise ValueError("batch-invariant attention runs every prefill token through the decode kernel")
+        self.prefill_route = route
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         """K/V (bfloat16, or float32 from a widened model or float32 weights)
@@ -151,11 +173,19 @@ class CpuAttentionBackend:
                 q = q.contiguous()
             direct = out.dtype == torch.float32 and out.stride(2) == 1
             target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
-            if prefill_rows is None:  # no native path for this shape or CPU: SDPA
+            sdpa_bf16 = bf16 and self.prefill_route == "sdpa"
+            prefill_rows = (
+                None
+                if sdpa_bf16
+                else self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
+            )
+            if prefill_rows is None:  # SDPA: by route, or no native path for this shape or CPU
                 if self._prefills.name not in meta.extra:
                     self._prefills.prepare(meta)  # once per step, shared by the layers
-                out = self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
+                # By route, in bfloat16: the gathered K/V stay bf16 and the
+                # queries are rounded to them, so SDPA's GEMMs run in bf16.
+                sdpa_query = query.to(torch.bfloat16) if sdpa_bf16 else query
+                out = self._prefills.forward(sdpa_query, k_cache, v_cache, meta, scale, out)
             elif not direct:
                 out.index_copy_(0, prefill_rows, target.index_select(0, prefill_rows).to(out.dtype))
 
