@@ -31,11 +31,11 @@ BLOCKS_MAX_ROWS rows read those instead, 5 or 8.5 bits per weight instead of
 model's block-path outputs bit for bit.
 
 With --gguf-activations int8 (PackedWeight.int8_rows, CPUs with
-AVX512-VNNI) the row counts that would read the file's Q4_1/Q8_0 blocks
-quantise their activations to int8 per 32 values instead and multiply the
-same blocks with integer dot products (route "int8", int8_blocks.h):
-llama.cpp's arithmetic, faster at every such row count, outputs no longer
-the float32 path's.
+AVX512-VNNI) every row count of a weight the file keeps in Q4_1/Q8_0 blocks
+quantises its activations to int8 per 32 values and multiplies those blocks
+with integer dot products (route "int8", int8_blocks.h): llama.cpp's
+arithmetic, faster than the float paths from one row to a prefill chunk,
+outputs no longer the float32 path's.
 
 On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) two more GEMMs take
 bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16 blocks
@@ -116,11 +116,13 @@ BLOCKS_MAX_ROWS = 32
 # 1,024, 0.94x at 2,048; the widening is a fixed cost per call).
 BF16_MAX_ROWS = 512
 
-# --gguf-activations int8: 1..INT8_MAX_ROWS rows over Q4_1/Q8_0 blocks quantise
-# their activations to int8 and multiply with VPDPBUSD (int8_blocks.h): every
-# row count that reads the blocks, since it is faster at each (SmolLM2's 121
-# block linears, one thread: 1.1x at 1 row, 1.35x at 4, 1.9x at 8-32).
-INT8_MAX_ROWS = BLOCKS_MAX_ROWS
+# --gguf-activations int8: 1..INT8_MAX_ROWS rows of a weight kept in Q4_1/Q8_0
+# blocks quantise their activations to int8 and multiply the blocks with
+# VPDPBUSD (int8_blocks.h): every row count, since it is the fastest GEMM at
+# each, decode batches and prefill chunks alike (SmolLM2's block linears,
+# one thread: 1.1x the float32 blocks at 1 row, 1.35x at 4, 1.9x at 8-32;
+# two threads against MKL's float32: 1.6-2.7x at 32-128 rows, 1.4x at 2,048).
+INT8_MAX_ROWS = 2**31 - 1
 INT8_KINDS = ("Q4_1", "Q8_0")
 
 # GGUF block formats the kernel reads: its format code, and the bytes of one
@@ -225,9 +227,9 @@ class PackedWeight:
     # goes to the `how` of the last pair with from_rows <= rows.
     bf16_routes: tuple[tuple[int, str], ...] = ()
     batch_invariant: bool = False  # never MKL: every row count through the kernel
-    # --gguf-activations int8: 1..int8_rows rows that would read the GGUF
-    # blocks (`blocks` beside float32 panels, `gguf` beside bfloat16 ones)
-    # quantise their activations to int8 instead (route "int8"); 0 = never.
+    # --gguf-activations int8: 1..int8_rows rows quantise their activations to
+    # int8 and multiply the GGUF blocks (`blocks` beside float32 panels, `gguf`
+    # beside bfloat16 ones) instead of any float route (route "int8"); 0 = never.
     int8_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -259,14 +261,9 @@ def route(rows: int, packed: PackedWeight | None) -> str:
     "gguf" (over `packed.gguf`), "int8" (int8 activations over the GGUF blocks,
     where `packed.int8_rows` allows), "dot" (the bf16 dot-product kernel over
     `packed.blocks`), "panels", "onednn" or "torch" (MKL)."""
-    how = _float_route(rows, packed)
-    if (
-        packed is not None
-        and 1 <= rows <= packed.int8_rows
-        and how == ("blocks" if packed.panels is not None else "gguf")
-    ):
+    if packed is not None and 1 <= rows <= packed.int8_rows:
         return "int8"
-    return how
+    return _float_route(rows, packed)
 
 
 def _float_route(rows: int, packed: PackedWeight | None) -> str:

@@ -226,7 +226,7 @@ class Worker:
 
     def _log_gguf_route(self) -> None:
         """Says at start-up how the weights kept in GGUF blocks multiply their
-        activations: float32, or int8 for 1..int8_rows rows (and why not where
+        activations: float32, or int8 at every row count (and why not where
         --gguf-activations int8 was asked for but cannot run)."""
         packed = [p for layer in self.model.layers for p in layer.packed.values()] + [self.model._head_packed]
         in_blocks = [p for p in packed if p is not None and p.gguf_blocks is not None]
@@ -244,7 +244,7 @@ class Worker:
         log.info(
             "gguf_linear_route",
             weights_in_blocks=len(in_blocks),
-            activations=f"int8 at 1-{max(p.int8_rows for p in int8)} rows, float32 above" if int8 else "float32",
+            activations="int8" if int8 else "float32",
             **({"int8_unavailable": why_not} if why_not else {}),
         )
 
