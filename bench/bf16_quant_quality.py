@@ -17,8 +17,9 @@ agrees, and |logprob difference| over the reference's top 5 tokens (mean,
 99th percentile, max).
 
 --int8-activations adds a fourth load: float32 with the file's blocks and
---gguf-activations int8 (steps of up to 32 tokens: every GGUF linear takes
-int8 activations), compared with float32 beside bf16 vs float32, the
+--gguf-activations int8 (every GGUF linear takes int8 activations at any
+--chunk; a row's result does not depend on the others, so --chunk does not
+change its figures), compared with float32 beside bf16 vs float32, the
 rounding a bfloat16 default already accepts.
 
 The texts are the docstrings of stdlib modules (real English every Python
