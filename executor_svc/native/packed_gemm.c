@@ -372,7 +372,7 @@ int quantize_rows_int8(int8_t *q, float *scale, float *sum, const float *a, int6
     int32_t *bias128 = int8_scratch_bytes((size_t)M * (K / QK) * sizeof(int32_t));
     if (!bias128)
         return -1;
-    quantize_rows(q, scale, sum, bias128, a, lda, M, K);
+    quantize_rows(q, scale, sum, bias128, a, lda, M, K, 1);
     return 0;
 }
 
@@ -401,7 +401,7 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
     int8_t *q = (int8_t *)(scratch + rows_bytes);
     float *d = (float *)(scratch + rows_bytes + q_bytes), *s = (float *)(scratch + rows_bytes + q_bytes + f_bytes);
     int32_t *bias128 = (int32_t *)(scratch + rows_bytes + q_bytes + 2 * f_bytes);
-    quantize_rows(q, d, s, bias128, a, lda, M, K);
+    quantize_rows(q, d, s, bias128, a, lda, M, K, num_threads);
     for (int r = 0; r < M; r++)
         x[r] = (struct int8_row){q + (int64_t)r * K, d + (int64_t)r * nb, s + (int64_t)r * nb, bias128 + (int64_t)r * nb};
     gemm_int8(c, ldc, x, blocks, fmt, bias, M, N, K, num_threads);
