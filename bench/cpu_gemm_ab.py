@@ -15,8 +15,8 @@ compares that bfloat16 path (--cpu-gemm auto) with torch's own bf16 GEMM
 (--cpu-gemm torch, emulated on such CPUs); --setting bf16-gguf-blocks
 compares, both in that bfloat16 path, --gguf-blocks auto (1-32 rows read
 the GGUF's blocks) with off (bfloat16 blocks only); --setting
-gguf-activations compares, in float32, --gguf-activations int8 (1-32 rows
-over the GGUF's blocks with int8 activations, AVX512-VNNI) with float;
+gguf-activations compares, in float32, --gguf-activations int8 (every row
+count over the GGUF's blocks with int8 activations, AVX512-VNNI) with float;
 --setting decoder-stack (bf16-decoder-stack: in the bfloat16 path) compares
 --decoder-stack auto (a decode step's layers in one native call) with off;
 --setting bf16-prefill-attention compares, in the bfloat16 path, prefill

@@ -157,6 +157,13 @@ class ExecutorConfig:
             raise ValueError("--deterministic: --attention-backend torch (SDPA) orders its sums by the batch shape")
         if self.deterministic and self.cpu_gemm == "torch" and self.device != "cuda":
             raise ValueError("--deterministic on CPU: --cpu-gemm torch (MKL) orders its sums by the batch shape")
+        if self.prefill_attention != "auto" and (
+            self.attention_backend in ("torch", "triton") or self.device == "cuda"
+        ):
+            raise ValueError(
+                f"--prefill-attention {self.prefill_attention} chooses within the cpu attention backend "
+                "(--attention-backend cpu or auto, on CPU)"
+            )
         if self.deterministic and self.prefill_attention == "sdpa":
             raise ValueError("--deterministic: --prefill-attention sdpa orders its sums by the batch shape")
         if self.deterministic and self.gguf_activations == "int8":

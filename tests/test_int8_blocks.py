@@ -116,7 +116,9 @@ def run_int8(kind, x, raw, bias, threads=2, ldc=None):
             for rows in [1, 2, 3, 4, 5, 8, 13, 16]
         ),
         ((100, 96), 37),
-        ((960, 576), 301),  # a prefill chunk's worth of row tiles
+        ((960, 576), 301),  # a prefill's worth of row tiles
+        ((100, 1536), 301),  # two chunks of rows (INT8_CHUNK_BYTES / K = 170), 3 panels: split by item
+        ((960, 1536), 301),  # two chunks, 20 panels: split by panel
     ],
 )
 def test_kernel_is_the_float64_product_of_the_same_int8_activations(kind, shape, rows):
@@ -164,9 +166,12 @@ def test_route_takes_int8_only_where_the_weight_allows_it():
     rows = (1, 32, 33, 300, 2048)
     assert [route(r, off) for r in rows] == ["blocks", "blocks", "panels", "torch", "torch"]
     assert [route(r, on) for r in (0, *rows, INT8_MAX_ROWS)] == ["torch"] + ["int8"] * 6
-    assert route(INT8_MAX_ROWS + 1, on) == route(INT8_MAX_ROWS + 1, off) != "int8"
-    bf16 = PackedWeight(None, pack_bf16(w.bfloat16()), gguf=pack_blocks("Q4_1", raw), int8_rows=40)
-    assert [route(r, bf16) for r in (1, 2, 40, 41)] == ["int8", "int8", "int8", "blocks"]
+    limited = PackedWeight(pack(w), pack_blocks("Q4_1", raw), int8_rows=40)
+    assert [route(r, limited) for r in (40, 41)] == ["int8", "panels"]
+    bf16 = PackedWeight(None, pack_bf16(w.bfloat16()), gguf=pack_blocks("Q4_1", raw), int8_rows=INT8_MAX_ROWS)
+    bf16_off = PackedWeight(None, pack_bf16(w.bfloat16()), gguf=pack_blocks("Q4_1", raw))
+    assert [route(r, bf16_off) for r in (1, 33, 2048)] == ["gguf", "blocks", "torch"]
+    assert [route(r, bf16) for r in (1, 33, 2048)] == ["int8"] * 3
     with pytest.raises(AssertionError):
         PackedWeight(pack(w), pack_blocks("Q4_1", raw), batch_invariant=True, int8_rows=4)
     with pytest.raises(AssertionError):
@@ -215,7 +220,8 @@ def smollm2_logits(one_torch_thread):
     (a Worker: config, loader and packing as in serving) and its teacher-forced
     logits over real text, 8 tokens a step, with int8 activations, then with
     float ones (int8_rows set to 0 on the same weights):
-    (float, int8, the int8 model as loaded, the start-up log)."""
+    (float, int8, the int8 model's packed weights as loaded, the start-up
+    log, the model (float packed weights now), the token ids)."""
     from structlog.testing import capture_logs
     from tokenizers import Tokenizer
 
@@ -233,7 +239,34 @@ def smollm2_logits(one_torch_thread):
         layer.packed = {name: dataclasses.replace(p, int8_rows=0) for name, p in layer.packed.items()}
     model._head_packed = dataclasses.replace(model._head_packed, int8_rows=0)
     floats = torch.cat([logits_by_position(model, i, 8, torch.float32) for i in ids])
-    return floats, int8, loaded, logs
+    return floats, int8, loaded, logs, model, ids
+
+
+def test_smollm2_prefill_with_int8_activations_on_two_threads(smollm2_logits):
+    """The three texts as one sequence, prefilled at once (GEMMs of 122 rows,
+    quantised by both threads) and then in steps of 8: the same logits, since
+    a row's int8 result depends on nothing else in the call."""
+    from bench.bf16_quant_quality import logits_by_position
+
+    _, int8, (layers, head), _, model, ids = smollm2_logits
+    floats = [dict(layer.packed) for layer in model.layers], model._head_packed
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for layer, packed in zip(model.layers, layers):
+            layer.packed = packed
+        model._head_packed = head
+        text = [t for i in ids for t in i]
+        prefill = logits_by_position(model, text, 1000, torch.float32)
+        steps = logits_by_position(model, text, 8, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+        for layer, packed in zip(model.layers, floats[0]):
+            layer.packed = packed
+        model._head_packed = floats[1]
+    assert prefill.shape[0] == len(text) - 1 >= 64
+    assert torch.equal(prefill, steps)
+    assert torch.equal(steps[: len(ids[0]) - 1], int8[: len(ids[0]) - 1])  # the fixture's first text, one thread
 
 
 def test_smollm2_with_int8_activations_stays_close_to_float(smollm2_logits):
@@ -244,7 +277,7 @@ def test_smollm2_with_int8_activations_stays_close_to_float(smollm2_logits):
     positions; the bounds here leave room for these 120."""
     from bench.bf16_quant_quality import compare
 
-    floats, int8, (layers, head), logs = smollm2_logits
+    floats, int8, (layers, head), logs, _, _ = smollm2_logits
     packed = [p for layer in layers for p in layer.values()] + [head]
     assert len(packed) == 121 and all(route(r, p) == "int8" for p in packed for r in (1, 64, 2048))
     [line] = [e for e in logs if e["event"] == "gguf_linear_route"]

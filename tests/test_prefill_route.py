@@ -66,6 +66,16 @@ def test_routes_are_checked():
         backend("sdpa", batch_invariant=True)
     with pytest.raises(ValueError, match="prefill-attention sdpa"):
         ExecutorConfig(deterministic=True, prefill_attention="sdpa")
+    # An explicit route chooses within the cpu backend only.
+    for elsewhere in ({"attention_backend": "torch"}, {"attention_backend": "triton"}, {"device": "cuda"}):
+        for route in PREFILL_ROUTES:
+            with pytest.raises(ValueError, match="within the cpu attention backend"):
+                ExecutorConfig(prefill_attention=route, **elsewhere)
+        assert ExecutorConfig(prefill_attention="auto", **elsewhere).prefill_attention == "auto"
+    field = next(f for f in dataclasses.fields(ExecutorConfig) if f.name == "prefill_attention")
+    from shared.config_fields import _KEY
+
+    assert tuple(field.metadata[_KEY].choices) == ("auto", *PREFILL_ROUTES)
 
 
 class FakeBackend:
@@ -102,21 +112,28 @@ def test_the_real_candidates_time_and_name_a_route():
 
 
 def test_auto_measures_only_where_bf16_is_native(monkeypatch):
+    """And start-up says which route is in force, and why, on every CPU backend."""
+    from structlog.testing import capture_logs
+
     measured = []
     monkeypatch.setattr(prefill_route, "measure", lambda *shape: measured.append(shape) or "sdpa")
 
     def apply(option, kv_dtype=torch.bfloat16, fast_bf16=True, target=None):
         target = target if target is not None else backend("native")
-        prefill_route.apply(option, target, kv_dtype, fast_bf16, 6, 2, 64)
-        return getattr(target, "prefill_route", None)
+        with capture_logs() as logs:
+            prefill_route.apply(option, target, kv_dtype, fast_bf16, 6, 2, 64)
+        lines = [(e["route"], e["why"]) for e in logs if e["event"] == "prefill_attention_route"]
+        return getattr(target, "prefill_route", None), lines
 
-    assert apply("auto", fast_bf16=False) == "native"
-    assert apply("auto", kv_dtype=torch.float32) == "native"
-    assert apply("auto", target=backend("native", batch_invariant=True)) == "native"
-    assert apply("auto", target=TorchAttentionBackend()) is None
+    assert apply("auto", fast_bf16=False) == ("native", [("native", "no native bf16")])
+    assert apply("auto", kv_dtype=torch.float32) == ("native", [("native", "float32 cache")])
+    assert apply("sdpa", kv_dtype=torch.float32) == ("native", [("native", "float32 cache")])
+    assert apply("auto", target=backend("native", batch_invariant=True)) == ("native", [("native", "deterministic")])
+    assert apply("auto", target=TorchAttentionBackend()) == (None, [])
     assert measured == []
-    assert apply("auto") == "sdpa" and measured == [(6, 2, 64)]
-    assert apply("sdpa", fast_bf16=False) == "sdpa" and apply("native") == "native" and len(measured) == 1
+    assert apply("auto") == ("sdpa", [("sdpa", "timed")]) and measured == [(6, 2, 64)]
+    assert apply("sdpa", fast_bf16=False) == ("sdpa", [("sdpa", "option")])
+    assert apply("native") == ("native", [("native", "option")]) and len(measured) == 1
 
 
 def test_measure_is_stored_and_reused(tmp_path, monkeypatch):

@@ -163,7 +163,11 @@ class CpuAttentionBackend:
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
         bf16 = int(k_cache.dtype == torch.bfloat16)
 
-        if plan.has_prefills:
+        if plan.has_prefills and bf16 and self.prefill_route == "sdpa":
+            # By route: SDPA in bfloat16, the gathered K/V as stored and the
+            # queries rounded to them, so that its GEMMs run in bf16.
+            out = self._sdpa_prefills(query.to(torch.bfloat16), k_cache, v_cache, meta, scale, out)
+        elif plan.has_prefills:
             # The prefill kernel reads float32 queries with unit-stride heads
             # (a view into a fused qkv row qualifies) and writes float32: into
             # `out` directly when it is float32 with unit-stride heads, else
@@ -173,19 +177,9 @@ class CpuAttentionBackend:
                 q = q.contiguous()
             direct = out.dtype == torch.float32 and out.stride(2) == 1
             target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-            sdpa_bf16 = bf16 and self.prefill_route == "sdpa"
-            prefill_rows = (
-                None
-                if sdpa_bf16
-                else self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
-            )
-            if prefill_rows is None:  # SDPA: by route, or no native path for this shape or CPU
-                if self._prefills.name not in meta.extra:
-                    self._prefills.prepare(meta)  # once per step, shared by the layers
-                # By route, in bfloat16: the gathered K/V stay bf16 and the
-                # queries are rounded to them, so SDPA's GEMMs run in bf16.
-                sdpa_query = query.to(torch.bfloat16) if sdpa_bf16 else query
-                out = self._prefills.forward(sdpa_query, k_cache, v_cache, meta, scale, out)
+            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
+            if prefill_rows is None:  # no native path for this shape or CPU: SDPA
+                out = self._sdpa_prefills(query, k_cache, v_cache, meta, scale, out)
             elif not direct:
                 out.index_copy_(0, prefill_rows, target.index_select(0, prefill_rows).to(out.dtype))
 
@@ -232,6 +226,12 @@ class CpuAttentionBackend:
         if dout is not out:
             out.index_copy_(0, d.tokens, dout.index_select(0, d.tokens).to(out.dtype))
         return out
+
+    def _sdpa_prefills(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> torch.Tensor:
+        """Every prefill token's attention into `out` through the torch backend (SDPA)."""
+        if self._prefills.name not in meta.extra:
+            self._prefills.prepare(meta)  # once per step, shared by the layers
+        return self._prefills.forward(query, k_cache, v_cache, meta, scale, out)
 
     def _native_prefills(
         self,

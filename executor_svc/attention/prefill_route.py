@@ -3,10 +3,11 @@ native bf16 arithmetic (AVX512-BF16 or AMX), measured at start-up.
 
     native  paged_prefill.c: K/V read in place and widened to float32, both
             matrix products as float32 FMAs (the CPU backend's default)
-    sdpa    torch's scaled_dot_product_attention over each request's gathered
-            K/V, queries rounded to bfloat16: its CPU flash kernel multiplies
-            bf16 blocks through oneDNN (AMX tiles where the CPU has them),
-            accumulating in float32
+    sdpa    torch's scaled_dot_product_attention in bfloat16 over each
+            request's gathered K/V: queries rounded to bf16, its CPU flash
+            kernel multiplies bf16 blocks through oneDNN (AMX tiles where the
+            CPU has them), accumulating in float32 but rounding the softmax
+            probabilities and the output to bf16
 
 Where bf16 multiplies at twice the float32 rate (AVX512-BF16) or far more
 (AMX), and the bf16 GEMM routes (bf16_gemm_routes.py) have made the linear
@@ -32,12 +33,14 @@ import torch
 from executor_svc import native_build
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import PREFILL_ROUTES, CpuAttentionBackend
-from executor_svc.attention.reference import make_batch
+from executor_svc.attention.reference import make_batch  # the synthetic step the kernel tests use too
 from executor_svc.bf16_gemm_routes import BF16_MARGIN, stored_or_measured
 
 # (cached, new) tokens of the timed step's prefills: prompts of a few hundred
-# tokens and a chunk continuing a longer one, 1,536 query tokens in all.
-CALIBRATION_PREFILLS = ((0, 512), (0, 256), (256, 768))
+# tokens, a chunk continuing a longer one, and one deep into a long context
+# (SDPA gathers a request's whole context every layer; the kernel reads it in
+# place), 1,792 query tokens in all. Timed at the default block size, 16.
+CALIBRATION_PREFILLS = ((0, 512), (0, 256), (256, 768), (3840, 256))
 log = structlog.get_logger(__name__)
 
 
@@ -104,7 +107,7 @@ def measure(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
 
     routes, times_us, source = stored_or_measured(key, timed)
     route = routes[0][1]
-    log.info("prefill_attention_route", route=route, source=source, median_us=times_us.get("1", {}))
+    log.info("prefill_attention_timed", route=route, source=source, median_us=times_us.get("1", {}))
     return route
 
 
@@ -124,13 +127,17 @@ def apply(
     SDPA is emulated and slower, and the kernel stays."""
     if not isinstance(backend, CpuAttentionBackend):
         return
-    if option == "auto":
-        if not (
-            fast_bf16
-            and kv_dtype == torch.bfloat16
-            and not backend.batch_invariant
-            and native_kernel.load_prefill() is not None
-        ):
-            return
-        option = measure(num_heads, num_kv_heads, head_dim)
-    backend.use_prefill_route(option)
+    route, why = option, "option"
+    if kv_dtype != torch.bfloat16:
+        route, why = "native", "float32 cache"
+    elif option == "auto":
+        if backend.batch_invariant:
+            route, why = "native", "deterministic"
+        elif not fast_bf16:
+            route, why = "native", "no native bf16"
+        elif native_kernel.load_prefill() is None:
+            route, why = "native", "no prefill kernel (SDPA for every prefill)"
+        else:
+            route, why = measure(num_heads, num_kv_heads, head_dim), "timed"
+    backend.use_prefill_route(route)
+    log.info("prefill_attention_route", route=route, why=why)
