@@ -17,10 +17,12 @@
  *     m[r], l[r]: running max and sum    ot[d][r] += sum_j p[j][r] * V[j][d]
  *
  * For each 16-key chunk and each group of 16 rows, S is 16 vectors (one per
- * key) built from broadcasts of the key's row; the online softmax takes the
- * row max across those vectors (no horizontal reductions); p times V is
- * again broadcasts of V's row into FMAs. Keys past a row's position are
- * masked, which only the chunks crossing the diagonal need.
+ * key) built from broadcasts of the key's row, up to three groups sharing
+ * each broadcast (chunk_scores); the online softmax takes the row max
+ * across those vectors (no horizontal reductions); p times V is again
+ * broadcasts of V's row into FMAs. Keys past a row's position are masked,
+ * which only the chunks crossing the diagonal need. The queries go into
+ * lanes, and the outputs back into rows, as 16 x 16 register transposes.
  *
  * Returns 0; -1 if this build has no AVX-512 path or the shape has no
  * instance (the caller then keeps SDPA); -2 if scratch allocation failed;
@@ -29,6 +31,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define QB 16 /* query tokens per work item */
 #define MAX_G 8 /* query heads per KV head */
@@ -44,23 +47,68 @@ int paged_prefill_tokens_per_item(void) { return QB; }
 #define CHUNK 16
 #include "chunk_rows.h"
 
+/* r[i][j] -> r[j][i] for a 16 x 16 float32 tile held in 16 registers. */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_f32x4(v, v2, 0x88);
+        r[c + 4] = _mm512_shuffle_f32x4(v, v2, 0xDD);
+        r[c + 8] = _mm512_shuffle_f32x4(w, w2, 0x88);
+        r[c + 12] = _mm512_shuffle_f32x4(w, w2, 0xDD);
+    }
+}
+/* S of one 16-key chunk for NG (1-3) groups of 16 query rows, into
+ * scores[g * CHUNK + j]: S[j][r] = sum_d K[j][d] * qt[d][r], d in order, one
+ * FMA per d. Keys go 8 at a time, so that NG x 8 sums, NG query vectors and
+ * a broadcast key value fit the 32 vector registers: each broadcast then
+ * feeds NG FMAs instead of one (the broadcasts were the loop's bottleneck:
+ * 17 loads per 16 FMAs with one group at a time). */
+static inline __attribute__((always_inline)) void chunk_scores(const int D, const int NG, const float *k,
+                                                               const float *qt, int rv, __m512 *scores)
+{
+    for (int h = 0; h < CHUNK; h += 8) {
+        __m512 acc[3][8];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 8; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            __m512 q[3];
+            for (int g = 0; g < NG; g++) q[g] = _mm512_loadu_ps(qt + (int64_t)d * rv + 16 * g);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512 kb = _mm512_set1_ps(k[(h + j) * D + d]);
+                for (int g = 0; g < NG; g++) acc[g][j] = _mm512_fmadd_ps(kb, q[g], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 8; j++) scores[g * CHUNK + h + j] = acc[g][j];
+    }
+}
+
 /* One key chunk against one group of 16 query rows (rows in lanes).
  * k, v: the chunk's 16 rows of this KV head, as float32 (stride D).
  * pos: each lane's position; keys k0 .. k0+15; masked: the chunk crosses
  * the diagonal of some lane. Updates m, l (in registers of the caller via
  * pointers) and ot[d] (vectors of this row group, stride rv). */
 static inline __attribute__((always_inline)) void chunk_group(
-    const int D, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-    const float *qt, int rv, float *ot, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
+    const int D, const __m512 *scores, const float *v, int64_t v_stride,
+    float *ot, int rv, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
 {
     __m512 s[CHUNK];
-    for (int j = 0; j < CHUNK; j++) s[j] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d++) {
-        const __m512 q = _mm512_loadu_ps(qt + (int64_t)d * rv);
-#pragma GCC unroll 16
-        for (int j = 0; j < CHUNK; j++)
-            s[j] = _mm512_fmadd_ps(_mm512_set1_ps(k[j * k_stride + d]), q, s[j]);
-    }
+    for (int j = 0; j < CHUNK; j++) s[j] = scores[j];
     __mmask16 valid[CHUNK];
     __m512 m_new = *m;
     for (int j = 0; j < CHUNK; j++) {
@@ -116,13 +164,25 @@ static inline __attribute__((always_inline)) void prefill_item(
 {
     const int rows = count * G, rv = (rows + 15) / 16 * 16, groups = rv / 16;
     float *qt = scratch, *ot = qt + (int64_t)D * rv, *kbuf = ot + (int64_t)D * rv, *vbuf = kbuf + CHUNK * D;
-    for (int r = 0; r < rv; r++) {
-        const float *src = q + (int64_t)(r / G) * q_tok + (int64_t)(kv * G + r % G) * q_head;
-        for (int d = 0; d < D; d++) {
-            qt[(int64_t)d * rv + r] = r < rows ? src[d] * scale : 0.f;
-            ot[(int64_t)d * rv + r] = 0.f;
+    /* qt = the scaled queries transposed (rows into lanes), 16 x 16 tiles at a
+     * time in registers; padding rows are zeros. */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < groups; g++) {
+        const float *src[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = g * 16 + i;
+            src[i] = r < rows ? q + (int64_t)(r / G) * q_tok + (int64_t)(kv * G + r % G) * q_head : NULL;
+        }
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = src[i] ? _mm512_mul_ps(_mm512_loadu_ps(src[i] + d0), vscale) : _mm512_setzero_ps();
+            transpose16(t);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps(qt + (int64_t)(d0 + j) * rv + g * 16, t[j]);
         }
     }
+    memset(ot, 0, sizeof(float) * (size_t)D * rv);
     __m512 m[MAX_ROWS / 16], l[MAX_ROWS / 16], pos[MAX_ROWS / 16];
     for (int g = 0; g < groups; g++) {
         m[g] = _mm512_set1_ps(-INFINITY);
@@ -150,19 +210,34 @@ static inline __attribute__((always_inline)) void prefill_item(
             copy_rows(kbuf, (const float *)k_cache, krows, off, D);
             copy_rows(vbuf, (const float *)v_cache, krows, off, D);
         }
-        for (int g = 0; g < groups; g++) {
-            /* Lanes of group g hold positions >= pos0 + (16 g) / G; mask if any key may pass one. */
-            const int masked = k0 + CHUNK - 1 > pos0 + (g * 16) / G;
-            chunk_group(D, kbuf, D, vbuf, D, qt + g * 16, rv, ot + g * 16, pos[g], k0, masked, &m[g], &l[g]);
+        for (int g0 = 0; g0 < groups; g0 += 3) {
+            __m512 scores[3 * CHUNK];
+            const int ng = groups - g0 < 3 ? groups - g0 : 3;
+            if (ng == 3)
+                chunk_scores(D, 3, kbuf, qt + g0 * 16, rv, scores);
+            else if (ng == 2)
+                chunk_scores(D, 2, kbuf, qt + g0 * 16, rv, scores);
+            else
+                chunk_scores(D, 1, kbuf, qt + g0 * 16, rv, scores);
+            for (int g = g0; g < g0 + ng; g++) {
+                /* Lanes of group g hold positions >= pos0 + (16 g) / G; mask if any key may pass one. */
+                const int masked = k0 + CHUNK - 1 > pos0 + (g * 16) / G;
+                chunk_group(D, scores + (g - g0) * CHUNK, vbuf, D, ot + g * 16, rv, pos[g], k0, masked, &m[g], &l[g]);
+            }
         }
     }
+    /* out = ot / l, transposed back (lanes into rows) 16 x 16 at a time. */
     for (int g = 0; g < groups; g++) {
-        float inv[16];
-        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
-        for (int i = 0; i < 16 && g * 16 + i < rows; i++) {
-            const int r = g * 16 + i;
-            float *dst = out + (int64_t)(r / G) * out_tok + (int64_t)(kv * G + r % G) * out_head;
-            for (int d = 0; d < D; d++) dst[d] = ot[(int64_t)d * rv + r] * inv[i];
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 t[16];
+            for (int j = 0; j < 16; j++)
+                t[j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + j) * rv + g * 16), inv);
+            transpose16(t);
+            for (int i = 0; i < 16 && g * 16 + i < rows; i++) {
+                const int r = g * 16 + i;
+                _mm512_storeu_ps(out + (int64_t)(r / G) * out_tok + (int64_t)(kv * G + r % G) * out_head + d0, t[i]);
+            }
         }
     }
 }
