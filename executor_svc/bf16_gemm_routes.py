@@ -140,6 +140,19 @@ def calibrate(
     return tuple(routes), times
 
 
+def machine_key(source: str, **measurement) -> dict:
+    """The key a measurement is stored under: what the timing depends on
+    beyond `measurement` (the shape, candidates, method and its version):
+    the kernel's build (source, flags, CPU), the cores, torch and threads."""
+    return dict(
+        **measurement,
+        kernel=native_build.build_key(source),
+        cpus=os.cpu_count(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+
+
 def stored_or_measured(key: dict, measure: Callable[[], tuple[Routes, dict]]) -> tuple[Routes, dict, str]:
     """(routes, times, where from): the routes stored under `key` in the kernel
     cache if a valid file is there ("stored", no times), else `measure()`'s,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import bf16_gemm_routes, native_build, onednn_linear, packed_linear, weight_packing
+from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear, weight_packing
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
@@ -67,12 +67,9 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     out_features = 2 * config.intermediate_size // tp_size
     dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
     names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
-    key = dict(
+    key = bf16_gemm_routes.machine_key(
+        packed_linear.SOURCE,
         version=1,  # of this key and of calibrate's method
-        kernel=native_build.build_key(packed_linear.SOURCE),
-        cpus=os.cpu_count(),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
         shape=[out_features, config.hidden_size],
         gguf_kind=gguf_kind,
         candidates=names,

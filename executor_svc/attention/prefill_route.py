@@ -23,18 +23,16 @@ executor restarted on this machine computes the same numbers.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 
 import structlog
 import torch
 
-from executor_svc import native_build
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import PREFILL_ROUTES, CpuAttentionBackend
 from executor_svc.attention.reference import make_batch  # the synthetic step the kernel tests use too
-from executor_svc.bf16_gemm_routes import BF16_MARGIN, stored_or_measured
+from executor_svc.bf16_gemm_routes import BF16_MARGIN, machine_key, stored_or_measured
 
 # (cached, new) tokens of the timed step's prefills: prompts of a few hundred
 # tokens, a chunk continuing a longer one, and one deep into a long context
@@ -87,12 +85,9 @@ def calibrate(
 def measure(num_heads: int, num_kv_heads: int, head_dim: int) -> str:
     """The route for this model's attention shape on this machine: stored in
     the kernel cache by the first start, measured then; logged."""
-    key = dict(
+    key = machine_key(
+        native_kernel.PREFILL_SOURCE,
         version=1,  # of this key and of calibrate's method
-        kernel=native_build.build_key(native_kernel.PREFILL_SOURCE),
-        cpus=os.cpu_count(),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
         shape=[num_heads, num_kv_heads, head_dim],
         prefills=[list(p) for p in CALIBRATION_PREFILLS],
         candidates=list(PREFILL_ROUTES),
