@@ -92,7 +92,6 @@ class CpuAttentionBackend:
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
-        self.prefill_route = "native"
         self.use_prefill_route(prefill_route)
 
     def use_prefill_route(self, route: str) -> None:
