@@ -1,7 +1,7 @@
 """Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
     .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm|bf16-gguf-blocks|gguf-activations|
-        decoder-stack|bf16-decoder-stack|bf16-prefill-attention]
+        decoder-stack|bf16-decoder-stack|bf16-prefill-attention|bf16-decode-attention]
         [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
@@ -55,6 +55,7 @@ SETTINGS = {
     "decoder-stack": ("decoder_stack", ("auto", "off"), {}),
     "bf16-decoder-stack": ("decoder_stack", ("auto", "off"), {"dtype": "bfloat16"}),
     "bf16-prefill-attention": ("prefill_attention", ("sdpa", "native"), {"dtype": "bfloat16"}),
+    "bf16-decode-attention": ("decode_attention", ("dot", "widen"), {"dtype": "bfloat16"}),
 }
 
 

@@ -110,7 +110,15 @@ class ExecutorConfig:
         help="Prefill attention over a bfloat16 KV cache on CPU: native = the FMA kernel (float32 "
         "arithmetic); sdpa = torch's SDPA in bfloat16 (oneDNN's bf16 or AMX GEMMs); auto = native, "
         "except on CPUs with AVX512-BF16 or AMX, where both are timed at the first start and the "
-        "faster kept (attention/prefill_route.py). A float32 cache always takes the kernel.",
+        "faster kept (attention/routes.py). A float32 cache always takes the kernel.",
+    )
+    decode_attention: str = option(
+        "auto",
+        choices=("auto", "widen", "dot"),  # cpu_backend.DECODE_ROUTES
+        help="Decode attention over a bfloat16 KV cache on CPU: widen = K/V widened to float32 as read, "
+        "float32 FMAs; dot = raw bf16 pairs through VDPBF16PS, queries and probabilities rounded to bf16 "
+        "(emulated, slower, on CPUs without AVX512-BF16); auto = widen, except on CPUs with AVX512-BF16, "
+        "where both are timed at the first start and the faster kept (attention/routes.py).",
     )
     decoder_stack: str = option(
         "auto",
@@ -157,15 +165,18 @@ class ExecutorConfig:
             raise ValueError("--deterministic: --attention-backend torch (SDPA) orders its sums by the batch shape")
         if self.deterministic and self.cpu_gemm == "torch" and self.device != "cuda":
             raise ValueError("--deterministic on CPU: --cpu-gemm torch (MKL) orders its sums by the batch shape")
-        if self.prefill_attention != "auto" and (
-            self.attention_backend in ("torch", "triton") or self.device == "cuda"
+        for flag, value in (
+            ("--prefill-attention", self.prefill_attention),
+            ("--decode-attention", self.decode_attention),
         ):
-            raise ValueError(
-                f"--prefill-attention {self.prefill_attention} chooses within the cpu attention backend "
-                "(--attention-backend cpu or auto, on CPU)"
-            )
+            if value != "auto" and (self.attention_backend in ("torch", "triton") or self.device == "cuda"):
+                raise ValueError(
+                    f"{flag} {value} chooses within the cpu attention backend (--attention-backend cpu or auto, on CPU)"
+                )
         if self.deterministic and self.prefill_attention == "sdpa":
             raise ValueError("--deterministic: --prefill-attention sdpa orders its sums by the batch shape")
+        if self.deterministic and self.decode_attention == "dot":
+            raise ValueError("--deterministic: --decode-attention dot is not the arithmetic docs/determinism.md pins")
         if self.deterministic and self.gguf_activations == "int8":
             raise ValueError("--deterministic: --gguf-activations int8 rounds activations by the row count's route")
         if not is_loopback(self.listen) and not self.auth_token:

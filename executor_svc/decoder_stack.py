@@ -92,6 +92,7 @@ class _Model(ctypes.Structure):
             "head_dim",
             "block_size",
             "kv_bf16",
+            "attention_flags",
             "bf16_dot_native",
             "num_slots",
         )
@@ -176,6 +177,7 @@ class DecoderStack:
             head_dim=first.head_dim,
             block_size=k_cache.shape[1],
             kv_bf16=int(bf16),
+            attention_flags=0,  # set per step, from the backend's decode route
             bf16_dot_native=int(gemm.bf16_dot_native),
             num_slots=k_cache.shape[0] * k_cache.shape[1],
             eps=cfg.rms_norm_eps,
@@ -320,6 +322,8 @@ class DecoderStack:
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need, dtype=torch.float32)
             scratch = self._scratch
+        # The decode route may change after the stack is built (attention/routes.py at start-up).
+        self._model.attention_flags = self._backend.decode_bf16_flags if self._model.kv_bf16 else 0
         out = torch.empty_like(h)
         step = _Step(
             h=h.data_ptr(),

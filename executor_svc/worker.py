@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from executor_svc import fused_ops, onednn_linear, packed_linear
-from executor_svc.attention import get_backend, prefill_route
+from executor_svc.attention import get_backend, routes
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from executor_svc.memory_profile import cuda_kv_budget
@@ -186,8 +186,9 @@ class Worker:
         )
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
-        prefill_route.apply(
+        routes.apply(
             config.prefill_attention,
+            config.decode_attention,
             self.attn_backend,
             self.kv_dtype,
             self.device.type == "cpu" and cpu_has_fast_bf16(),

@@ -127,6 +127,27 @@ def test_stack_runs_the_other_packed_routes_as_python_does(tiny_gguf, dtype, rou
     assert counter.taken >= 8
 
 
+def test_stack_passes_the_dot_decode_route_as_python_does(tiny_gguf):
+    """--decode-attention dot (attention/routes.py sets it on the backend after
+    the stack is built): the stack hands the kernel the same arithmetic bits
+    as the Python layers, so the runs agree bit for bit, and differ from the
+    widening route's."""
+    from executor_svc.attention import native_kernel
+
+    if not native_kernel.dot_supported(4, 2, 64):
+        pytest.skip("the decode kernel's dot path needs AVX-512BW")
+    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant=False)
+    work = jobs(320, lengths=(9, 30, 17))
+    widen = as_numbers(PlanDriver(python, BLOCK).run(work))
+    native.model.attn_backend.use_decode_route("dot")
+    assert python.model.attn_backend.decode_route == "dot"
+    native.stack = counter = Counting(native.stack)
+    got = as_numbers(PlanDriver(native, BLOCK).run(work))
+    assert got == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 8
+    assert got != widen
+
+
 def test_stack_takes_decodes_only_and_falls_back_elsewhere(tiny_gguf):
     native, _ = runner_pair(tiny_gguf, torch.float32, batch_invariant=False)
     native.stack = counter = Counting(native.stack)

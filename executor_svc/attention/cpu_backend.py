@@ -40,10 +40,16 @@ from executor_svc.attention.torch_backend import TorchAttentionBackend, check_me
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
 # How prefills of a bfloat16 cache run: the native kernel, or SDPA in
-# bfloat16 (on CPUs with native bf16, when prefill_route.py measures it faster).
+# bfloat16 (on CPUs with native bf16, when routes.py measures it faster).
 PREFILL_ROUTES = ("native", "sdpa")
-# paged_decode.c's `bf16` bits: which operands are bfloat16 (else float32).
-_BF16_KV, _BF16_Q, _BF16_OUT = 1, 2, 4
+# How the decode kernel multiplies over a bfloat16 cache: K/V widened to
+# float32 for float32 FMAs, or raw bf16 pairs through VDPBF16PS with the
+# queries and probabilities rounded to bf16 (its emulation where the CPU
+# lacks the instruction); routes.py times them on CPUs with it.
+DECODE_ROUTES = ("widen", "dot")
+# paged_decode.c's `bf16` bits: which operands are bfloat16 (else float32),
+# and the dot arithmetic (native or emulated).
+_BF16_KV, _BF16_Q, _BF16_OUT, _BF16_DOT, _BF16_DOT_EMULATED = 1, 2, 4, 8, 16
 
 
 def _kernel_operand(t: torch.Tensor) -> bool:
@@ -87,12 +93,16 @@ class CpuAttentionBackend:
         prefill_kernel: PrefillKernel | None = None,
         batch_invariant: bool = False,
         prefill_route: str = "native",
+        decode_route: str = "widen",
+        dot_native: bool = False,
     ):
         self._kernel = kernel
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
+        self._dot_native = dot_native  # the kernel's VDPBF16PS path runs here (native_kernel.dot_native)
         self.use_prefill_route(prefill_route)
+        self.use_decode_route(decode_route)
 
     def use_prefill_route(self, route: str) -> None:
         """Prefills over a bfloat16 cache through `route` from the next step on:
@@ -104,6 +114,20 @@ class CpuAttentionBackend:
         if route == "sdpa" and self.batch_invariant:
             raise ValueError("batch-invariant attention runs every prefill token through the decode kernel")
         self.prefill_route = route
+
+    def use_decode_route(self, route: str) -> None:
+        """Decodes over a bfloat16 cache through `route` from the next step on:
+        "widen" (float32 FMAs) or "dot" (VDPBF16PS, emulated where this CPU
+        lacks it). A float32 cache always widens nothing; batch-invariant mode
+        keeps "widen", the arithmetic docs/determinism.md describes."""
+        if route not in DECODE_ROUTES:
+            raise ValueError(f"decode route {route!r}: expected one of {DECODE_ROUTES}")
+        if route == "dot" and self.batch_invariant:
+            raise ValueError("batch-invariant attention keeps the widening decode kernel")
+        self.decode_route = route
+        # The kernel's bits for a bfloat16 cache (the decoder stack passes them too).
+        dot = _BF16_DOT if self._dot_native else _BF16_DOT_EMULATED
+        self.decode_bf16_flags = _BF16_KV | (dot if route == "dot" else 0)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         """K/V (bfloat16, or float32 from a widened model or float32 weights)
@@ -194,7 +218,8 @@ class CpuAttentionBackend:
         # outputs need no float32 copies; anything else goes through float32.
         dq = query if _kernel_operand(query) else query.to(torch.float32).contiguous()
         dout = out if _kernel_operand(out) else torch.empty(query.shape, dtype=torch.float32)
-        flags = bf16 * _BF16_KV | _BF16_Q * (dq.dtype == torch.bfloat16) | _BF16_OUT * (dout.dtype == torch.bfloat16)
+        flags = (self.decode_bf16_flags if bf16 else 0) | _BF16_Q * (dq.dtype == torch.bfloat16)
+        flags |= _BF16_OUT * (dout.dtype == torch.bfloat16)
         status = self._kernel(
             dout.data_ptr(),
             dout.stride(0),
@@ -220,6 +245,11 @@ class CpuAttentionBackend:
             scale,
             torch.get_num_threads(),
         )
+        if status == -2:
+            raise RuntimeError(
+                f"decode route {self.decode_route!r}: the kernel has no bf16 dot path for {num_heads} query heads"
+                f" over {num_kv_heads} KV heads of {head_dim} (native_kernel.dot_supported)"
+            )
         if status != 0:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
         if dout is not out:

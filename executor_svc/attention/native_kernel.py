@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from executor_svc.native_build import load_library
+from executor_svc.native_build import cpu_flags, load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
 PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
@@ -29,6 +29,21 @@ def load(portable: bool = False):
     if lib is None:
         return None
     return lib.paged_decode_attention  # typed from native_signatures.py
+
+
+@lru_cache(maxsize=1)
+def dot_native() -> bool:
+    """Whether the decode kernel's VDPBF16PS path (decode_dot.h) runs on this
+    CPU: built with gcc for AVX-512BW, and the CPU has AVX512-BF16."""
+    lib = load_library(SOURCE)
+    return lib is not None and lib.paged_decode_dot_native() == 1
+
+
+def dot_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the AVX-512 decode kernel has bf16 dot instances (native or
+    emulated) for this attention shape: those of its widening fast path."""
+    group = num_heads // num_kv_heads
+    return load() is not None and 1 <= group <= 8 and head_dim in (64, 128) and "avx512bw" in cpu_flags()
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ typedef struct {
     const float *final_norm;
     int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
     int64_t kv_bf16;    /* the cache's dtype: 1 bfloat16, 0 float32 */
+    int64_t attention_flags; /* paged_decode_attention's `bf16` bits: the cache's, and the decode route's */
     int64_t bf16_dot_native; /* packed_gemm_bf16_dot's `native` (VDPBF16PS, else its emulation) */
     int64_t num_slots;  /* blocks x block_size */
     double eps, scale;
@@ -183,7 +184,7 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         } else {
             write_kv_f32(L->k_cache, L->v_cache, qkv, QKV, Q, Q + NKV * D, s->slots, T, (int64_t)NKV * D);
         }
-        if (m->attention(attn, Q, D, qkv, QKV, D, L->k_cache, L->v_cache, (int)m->kv_bf16, s->block_tables,
+        if (m->attention(attn, Q, D, qkv, QKV, D, L->k_cache, L->v_cache, (int)m->attention_flags, s->block_tables,
                          s->table_stride, s->seq_lens, s->tokens, s->tokens, s->seq_index, T, NH, NKV, D,
                          (int)m->block_size, (int)s->max_seq_len, (float)m->scale, threads))
             return -3;
@@ -219,7 +220,7 @@ static const struct {
     FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write_bf16), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),
     FIELD(ds_model, num_heads), FIELD(ds_model, num_kv_heads), FIELD(ds_model, head_dim),
-    FIELD(ds_model, block_size), FIELD(ds_model, kv_bf16), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
+    FIELD(ds_model, block_size), FIELD(ds_model, kv_bf16), FIELD(ds_model, attention_flags), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
     FIELD(ds_model, scale),
     SIZE(ds_step), FIELD(ds_step, h), FIELD(ds_step, out), FIELD(ds_step, scratch), FIELD(ds_step, cos),
     FIELD(ds_step, sin_signed), FIELD(ds_step, slots), FIELD(ds_step, block_tables), FIELD(ds_step, seq_lens),

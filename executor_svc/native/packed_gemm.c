@@ -410,16 +410,9 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 
 /* The bf16 dot-product kernel (bf16_dot_gemm.h) over the same BF16 blocks,
  * twice: with VDPBF16PS, and with its arithmetic emulated in AVX-512F. */
-#define DOT_STEP_BYTES (NR * 4) /* one k pair of one panel: 48 columns x 2 bf16 */
+#include "bf16_dot.h"
 
-static inline __attribute__((always_inline)) __m512 dot_emulated(__m512 acc, __m512i a, __m512i b)
-{
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
-                          _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
-                           _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
-}
+#define DOT_STEP_BYTES (NR * 4) /* one k pair of one panel: 48 columns x 2 bf16 */
 
 #define DOT_NAME(x) x##_dot_emulated
 #define DOT_TARGET

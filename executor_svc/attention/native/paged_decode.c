@@ -17,7 +17,12 @@
  * queries are widened as read, and outputs rounded as written (to nearest,
  * ties to even, NaN -> 0x7FC0: torch's .to(torch.bfloat16) of the float32
  * result, bit for bit), so that a bfloat16 model needs no float32 copies of
- * either around the call.
+ * either around the call. Over a bfloat16 cache, BF16_DOT multiplies with
+ * VDPBF16PS instead of widening (decode_dot.h: queries and probabilities
+ * rounded to bf16), and BF16_DOT_EMULATED does the same arithmetic in
+ * AVX-512F; either returns -2 where that path is missing (no AVX-512BW
+ * build, no instance for the shape, or BF16_DOT on a CPU without
+ * AVX512-BF16: paged_decode_dot_native() says).
  *
  * Two implementations behind one entry point:
  *  - AVX-512 (head_dim 64 or 128, up to 8 query heads per KV head): work item
@@ -38,6 +43,8 @@
 #define BF16_KV 1
 #define BF16_Q 2
 #define BF16_OUT 4
+#define BF16_DOT 8
+#define BF16_DOT_EMULATED 16
 
 static inline float widen_bf16(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -319,13 +326,64 @@ typedef void (*decode_fn)(float *, int64_t, const float *, int64_t, const void *
 static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROUP(4),
                                               GROUP(5), GROUP(6), GROUP(7), GROUP(8)};
 
+/* The bf16 dot-product instances (decode_dot.h): emulated, and with VDPBF16PS
+ * where the compiler has it (gcc only, as packed_gemm.c's: an older clang may
+ * lack "avx512bf16" in __builtin_cpu_supports). Their V interleave needs
+ * AVX-512BW, which every CPU with AVX512-BF16 has. */
+#if defined(__AVX512BW__)
+#define HAVE_DOT 1
+#include "../../native/bf16.h"
+#include "../../native/bf16_dot.h"
+#define DOT_NAME(x) x##_dot_emulated
+#define DOT_TARGET
+#define DOT(acc, a, b) dot_emulated(acc, a, b)
+#include "decode_dot.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define HAVE_NATIVE_DOT 1
+#define DOT_NAME(x) x##_dot_native
+#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
+#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#include "decode_dot.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#endif
+#endif
+
+/* The fast path's function for this shape and `bf16` bits, or NULL. */
 static decode_fn fast_path(int group, int head_dim, int bf16) {
     if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128))
         return NULL;
-    return DECODE_FNS[group - 1][head_dim == 128][bf16 != 0];
+    const int wide = head_dim == 128;
+    if (!(bf16 & (BF16_DOT | BF16_DOT_EMULATED)))
+        return DECODE_FNS[group - 1][wide][(bf16 & BF16_KV) != 0];
+    if (!(bf16 & BF16_KV))
+        return NULL;
+#ifdef HAVE_NATIVE_DOT
+    if (bf16 & BF16_DOT)
+        return __builtin_cpu_supports("avx512bf16") ? DECODE_FNS_dot_native[group - 1][wide] : NULL;
+#endif
+#ifdef HAVE_DOT
+    if (bf16 & BF16_DOT_EMULATED)
+        return DECODE_FNS_dot_emulated[group - 1][wide];
+#endif
+    return NULL;
 }
 
 #endif /* AVX-512 */
+
+/* 1 where this build has the VDPBF16PS decode path and this CPU runs it. */
+int paged_decode_dot_native(void)
+{
+#ifdef HAVE_NATIVE_DOT
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
 
 int paged_decode_attention(
     void *out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -338,7 +396,7 @@ int paged_decode_attention(
     float scale, int num_threads)
 {
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
-    const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, bf16 & BF16_KV);
+    const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, bf16);
     if (fn != NULL) {
         const int64_t row_len = (int64_t)num_kv_heads * head_dim;
         /* Work item = (decode, all its KV heads) when there are enough decodes
@@ -393,6 +451,8 @@ int paged_decode_attention(
         return failed ? -1 : 0;
     }
 #endif
+    if (bf16 & (BF16_DOT | BF16_DOT_EMULATED))
+        return -2; /* the dot arithmetic was asked for where it has no path */
     /* No AVX-512, or a shape the fast path has no instance for. */
     return decode_generic(out, out_tok_stride, out_head_stride, q, q_tok_stride, q_head_stride, k_cache, v_cache,
                           bf16, block_tables, block_table_stride, seq_lens, tokens, out_rows, seq_index,

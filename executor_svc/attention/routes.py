@@ -1,0 +1,209 @@
+"""Which arithmetic the CPU attention kernels use over a bfloat16 KV cache, on
+CPUs with native bf16 (AVX512-BF16 or AMX), measured at start-up.
+
+Prefills (`--prefill-attention`):
+
+    native  paged_prefill.c: K/V read in place and widened to float32, both
+            matrix products as float32 FMAs (the CPU backend's default)
+    sdpa    torch's scaled_dot_product_attention in bfloat16 over each
+            request's gathered K/V: queries rounded to bf16, its CPU flash
+            kernel multiplies bf16 blocks through oneDNN (AMX tiles where the
+            CPU has them), accumulating in float32 but rounding the softmax
+            probabilities and the output to bf16
+
+Decodes (`--decode-attention`):
+
+    widen   paged_decode.c: each bf16 K/V value widened to float32 as read,
+            float32 FMAs (the default)
+    dot     the same kernel's VDPBF16PS path (decode_dot.h): raw bf16 pairs
+            multiplied in place, queries and probabilities rounded to bf16;
+            half the instructions per byte of K/V read
+
+Where bf16 multiplies at twice the float32 rate (AVX512-BF16) or far more
+(AMX), and the bf16 GEMM routes (bf16_gemm_routes.py) have made the linear
+layers that much faster, attention's float32 arithmetic becomes a growing
+share of a step. Which one wins depends on the CPU, so each is timed, as
+the GEMM routes are: both candidates on the model's attention shape,
+alternated, over a synthetic step (PREFILL_STEP, DECODE_STEP); the bf16
+candidate, which rounds, must win by BF16_MARGIN. The result is stored in
+the kernel cache like theirs (same key discipline), so an executor restarted
+on this machine computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import structlog
+import torch
+
+from executor_svc.attention import native_kernel
+from executor_svc.attention.cpu_backend import DECODE_ROUTES, PREFILL_ROUTES, CpuAttentionBackend
+from executor_svc.attention.reference import make_batch  # the synthetic step the kernel tests use too
+from executor_svc.bf16_gemm_routes import BF16_MARGIN, machine_key, stored_or_measured
+
+# (cached, new) tokens of the timed steps, at the default block size, 16.
+# Prefills: prompts of a few hundred tokens, a chunk continuing a longer one,
+# and one deep into a long context (SDPA gathers a request's whole context
+# every layer; the kernel reads it in place), 1,792 query tokens in all.
+PREFILL_STEP = ((0, 512), (0, 256), (256, 768), (3840, 256))
+# Decodes: a full batch of contexts from short to long (the kernel's work
+# splits by decode), 32 x 576 tokens of K/V on average.
+DECODE_STEP = tuple((64 + 32 * i, 1) for i in range(32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """One choice this module times: its candidates, the bf16 one, and its step."""
+
+    name: str
+    routes: tuple[str, str]  # (the float32 default, the bf16 candidate)
+    step: tuple[tuple[int, int], ...]
+    source: str  # the kernel source whose build the stored result depends on
+
+
+PREFILL = _Kind("prefill", PREFILL_ROUTES, PREFILL_STEP, native_kernel.PREFILL_SOURCE)
+DECODE = _Kind("decode", DECODE_ROUTES, DECODE_STEP, native_kernel.SOURCE)
+log = structlog.get_logger(__name__)
+
+
+def calibrate(
+    kind: _Kind,
+    backends: dict[str, CpuAttentionBackend],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    reps: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[str, dict[str, float]]:
+    """(route, median microseconds of each backend): one step of kind.step on
+    a bfloat16 cache, float32 queries (a widened model's), `reps` timed calls
+    each after a warm-up, alternated."""
+    assert set(backends) == set(kind.routes), f"backends {sorted(backends)}"
+    batch = make_batch(
+        list(kind.step),
+        block_size=16,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=0,
+    )
+    query = batch.query.float()
+    scale = head_dim**-0.5
+    runs: dict[str, list[float]] = {name: [] for name in backends}
+    metas = {}
+    for name, backend in backends.items():
+        metas[name] = dataclasses.replace(batch.meta, extra={})
+        backend.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, metas[name])
+        backend.prepare(metas[name])
+    for i in range(reps + 1):
+        for name, backend in backends.items():
+            start = clock()
+            backend.forward(query, batch.k_cache, batch.v_cache, metas[name], scale)
+            if i:
+                runs[name].append(clock() - start)
+    median = {name: sorted(r)[reps // 2] for name, r in runs.items()}
+    default, bf16 = kind.routes
+    route = bf16 if median[bf16] * BF16_MARGIN < median[default] else default
+    return route, {name: round(t * 1e6, 1) for name, t in median.items()}
+
+
+def _backend(kind: _Kind, route: str) -> CpuAttentionBackend:
+    decode, prefill = native_kernel.load(), native_kernel.load_prefill()
+    if kind is PREFILL:
+        return CpuAttentionBackend(decode, prefill, prefill_route=route)
+    return CpuAttentionBackend(decode, prefill, decode_route=route, dot_native=native_kernel.dot_native())
+
+
+def measure(kind: _Kind, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """The route for this model's attention shape on this machine: stored in
+    the kernel cache by the first start, measured then; logged."""
+    key = machine_key(
+        kind.source,
+        version=1,  # of this key and of calibrate's method
+        kind=kind.name,
+        shape=[num_heads, num_kv_heads, head_dim],
+        step=[list(p) for p in kind.step],
+        candidates=list(kind.routes),
+        margin=BF16_MARGIN,
+    )
+
+    def timed():
+        backends = {name: _backend(kind, name) for name in kind.routes}
+        route, times = calibrate(kind, backends, num_heads, num_kv_heads, head_dim)
+        return ((1, route),), {"1": times}
+
+    routes, times_us, source = stored_or_measured(key, timed)
+    route = routes[0][1]
+    log.info(f"{kind.name}_attention_timed", route=route, source=source, median_us=times_us.get("1", {}))
+    return route
+
+
+def _choose(kind: _Kind, option: str, backend, kv_dtype, available: str | None, shape) -> tuple[str, str]:
+    """(route, why) for one kind: the option as given, the float32 default
+    where the choice cannot matter or is not `available` (a reason), or
+    measured."""
+    default, bf16 = kind.routes
+    if kv_dtype != torch.bfloat16:
+        return default, "float32 cache"
+    if option != "auto":
+        return option, "option"
+    if backend.batch_invariant:
+        return default, "deterministic"
+    if available is not None:
+        return default, available
+    return measure(kind, *shape), "timed"
+
+
+def apply(
+    prefill_option: str,
+    decode_option: str,
+    backend,
+    kv_dtype: torch.dtype,
+    fast_bf16: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """--prefill-attention and --decode-attention for this executor's
+    attention backend: "auto" measures (`measure`) where it can matter: a
+    CpuAttentionBackend over a bfloat16 cache, not batch-invariant, on a CPU
+    with native bf16 (`fast_bf16`; for decodes, the kernel's VDPBF16PS path
+    for this shape). Elsewhere the bf16 candidate is emulated and slower, and
+    the float32 arithmetic stays. An explicit "dot" on a CPU without
+    AVX512-BF16 runs the emulation (a test of the path, not a speed-up)."""
+    if not isinstance(backend, CpuAttentionBackend):
+        return
+    shape = (num_heads, num_kv_heads, head_dim)
+    prefill_missing = (
+        "no native bf16"
+        if not fast_bf16
+        else "no prefill kernel (SDPA for every prefill)"
+        if native_kernel.load_prefill() is None
+        else None
+    )
+    route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, prefill_missing, shape)
+    backend.use_prefill_route(route)
+    log.info("prefill_attention_route", route=route, why=why)
+
+    dot_shape = native_kernel.dot_supported(*shape)
+    if decode_option == "dot" and kv_dtype == torch.bfloat16 and not dot_shape:
+        raise ValueError(
+            f"--decode-attention dot: the decode kernel has no bf16 dot path for {num_heads} query heads over "
+            f"{num_kv_heads} KV heads of {head_dim} (it needs AVX-512BW, head_dim 64 or 128, at most 8 query "
+            "heads per KV head)"
+        )
+    decode_missing = (
+        "no AVX512-BF16"
+        if not native_kernel.dot_native()
+        else "no bf16 dot instance for this shape"
+        if not dot_shape
+        else None
+    )
+    route, why = _choose(DECODE, decode_option, backend, kv_dtype, decode_missing, shape)
+    backend.use_decode_route(route)
+    emulated = route == "dot" and not native_kernel.dot_native()
+    log.info("decode_attention_route", route=route, why=why, **({"emulated": True} if emulated else {}))

@@ -1,0 +1,240 @@
+"""Attention over a bfloat16 KV cache in bf16 arithmetic or float32: prefills
+through SDPA in bf16 (route "sdpa") or the native kernel, decodes through the
+kernel's VDPBF16PS path (route "dot") or widened, and the start-up
+measurement that picks each on CPUs with native bf16
+(executor_svc/attention/routes.py). The dot kernel itself:
+tests/test_decode_dot.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from executor_svc.attention import native_kernel, routes
+from executor_svc.attention.cpu_backend import DECODE_ROUTES, PREFILL_ROUTES, CpuAttentionBackend
+from executor_svc.attention.reference import make_batch
+from executor_svc.attention.torch_backend import TorchAttentionBackend
+from executor_svc.config import ExecutorConfig
+
+pytestmark = pytest.mark.skipif(
+    native_kernel.load() is None or native_kernel.load_prefill() is None, reason="needs the native attention kernels"
+)
+# Two prompts, a chunk continuing a cached one, and decodes beside them.
+SHAPES = [(0, 37), (0, 70), (40, 29), (55, 1), (130, 1)]
+
+
+def backend(route: str = "native", batch_invariant: bool = False, decode: str = "widen") -> CpuAttentionBackend:
+    return CpuAttentionBackend(
+        native_kernel.load(),
+        native_kernel.load_prefill(),
+        batch_invariant=batch_invariant,
+        prefill_route=route,
+        decode_route=decode,
+        dot_native=native_kernel.dot_native(),
+    )
+
+
+def run(route: str, dtype: torch.dtype):
+    batch = make_batch(SHAPES, block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=dtype, seed=3)
+    # float32 queries, as a widened bf16 model's are (make_batch's are bf16-valued)
+    query = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(4))
+    batch = dataclasses.replace(batch, query=query)
+    b, meta = backend(route), dataclasses.replace(batch.meta, extra={})
+    b.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, meta)
+    b.prepare(meta)
+    return batch, b.forward(batch.query, batch.k_cache, batch.v_cache, meta, batch.scale)
+
+
+def test_sdpa_route_on_a_bf16_cache_is_attention_within_bf16_rounding():
+    """Against float64 attention over the cache's values: the prefills differ
+    from the native kernel's (queries rounded to bf16), within that rounding;
+    the decodes take the decode kernel either way, bit for bit."""
+    batch, sdpa = run("sdpa", torch.bfloat16)
+    _, native = run("native", torch.bfloat16)
+    exact = batch.expected(torch.float64)
+    prefill_rows = torch.cat([torch.arange(0, 37), torch.arange(37, 107), torch.arange(107, 136)])
+    decode_rows = torch.tensor([136, 137])
+    err = (sdpa.double() - exact).abs()[prefill_rows].max().item()
+    assert 1e-4 < err < 0.05, f"{err}: bf16 arithmetic should show, within its rounding"
+    assert (native.double() - exact).abs()[prefill_rows].max().item() < 1e-4
+    assert not torch.equal(sdpa[prefill_rows], native[prefill_rows]), "the prefills should have gone through SDPA"
+    assert torch.equal(sdpa[decode_rows], native[decode_rows])
+
+
+def test_a_float32_cache_keeps_the_kernel_whatever_the_route():
+    assert torch.equal(run("sdpa", torch.float32)[1], run("native", torch.float32)[1])
+
+
+def test_routes_are_checked():
+    with pytest.raises(ValueError, match="prefill route"):
+        backend("flash")
+    with pytest.raises(ValueError, match="batch-invariant"):
+        backend("sdpa", batch_invariant=True)
+    with pytest.raises(ValueError, match="decode route"):
+        backend(decode="vnni")
+    with pytest.raises(ValueError, match="batch-invariant"):
+        backend(batch_invariant=True, decode="dot")
+    with pytest.raises(ValueError, match="prefill-attention sdpa"):
+        ExecutorConfig(deterministic=True, prefill_attention="sdpa")
+    with pytest.raises(ValueError, match="decode-attention dot"):
+        ExecutorConfig(deterministic=True, decode_attention="dot")
+    from shared.config_fields import _KEY
+
+    for option, choices in (("prefill_attention", PREFILL_ROUTES), ("decode_attention", DECODE_ROUTES)):
+        # An explicit route chooses within the cpu backend only.
+        for elsewhere in ({"attention_backend": "torch"}, {"attention_backend": "triton"}, {"device": "cuda"}):
+            for route in choices:
+                with pytest.raises(ValueError, match="within the cpu attention backend"):
+                    ExecutorConfig(**{option: route}, **elsewhere)
+            assert getattr(ExecutorConfig(**{option: "auto"}, **elsewhere), option) == "auto"
+        field = next(f for f in dataclasses.fields(ExecutorConfig) if f.name == option)
+        assert tuple(field.metadata[_KEY].choices) == ("auto", *choices)
+
+
+class FakeBackend:
+    """Costs `cost` seconds of a shared fake clock per forward."""
+
+    def __init__(self, cost: float, now: list[float]):
+        self.cost, self.now, self.calls = cost, now, 0
+
+    def write_kv(self, *args):
+        pass
+
+    def prepare(self, meta):
+        pass
+
+    def forward(self, *args):
+        self.calls += 1
+        self.now[0] += self.cost
+
+
+@pytest.mark.parametrize("kind", [routes.PREFILL, routes.DECODE], ids=["prefill", "decode"])
+@pytest.mark.parametrize(("bf16_cost", "wins"), [(0.90, True), (0.97, False), (1.20, False)])
+def test_the_bf16_candidate_must_win_by_the_margin(kind, bf16_cost, wins):
+    default, bf16 = kind.routes
+    now = [0.0]
+    fakes = {default: FakeBackend(1.0, now), bf16: FakeBackend(bf16_cost, now)}
+    route, times = routes.calibrate(kind, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])
+    assert route == (bf16 if wins else default)
+    assert times == {default: 1e6, bf16: round(bf16_cost * 1e6, 1)}
+    assert fakes[default].calls == fakes[bf16].calls == 4  # a warm-up, then 3 timed
+
+
+def test_the_real_candidates_time_and_name_a_route():
+    for kind in (routes.PREFILL, routes.DECODE):
+        backends = {name: routes._backend(kind, name) for name in kind.routes}
+        route, times = routes.calibrate(kind, backends, 6, 2, 64, reps=1)
+        assert route in kind.routes and set(times) == set(kind.routes) and min(times.values()) > 0
+
+
+def test_auto_measures_only_where_bf16_is_native(monkeypatch):
+    """And start-up says which routes are in force, and why, on every CPU backend."""
+    from structlog.testing import capture_logs
+
+    measured = []
+    monkeypatch.setattr(routes, "measure", lambda kind, *shape: measured.append((kind.name, *shape)) or kind.routes[1])
+    monkeypatch.setattr(native_kernel, "dot_native", lambda: dot_native[0])
+    dot_native = [True]
+
+    def apply(prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64)):
+        target = target if target is not None else backend()
+        with capture_logs() as logs:
+            routes.apply(prefill, decode, target, kv_dtype, fast_bf16, *shape)
+        lines = [(e["event"].split("_")[0], e["route"], e["why"]) for e in logs if e["event"].endswith("_route")]
+        return getattr(target, "prefill_route", None), getattr(target, "decode_route", None), lines
+
+    def said(prefill, decode):
+        return [("prefill", *prefill), ("decode", *decode)]
+
+    assert apply("auto", fast_bf16=False) == (
+        "native",
+        "widen",
+        said(("native", "no native bf16"), ("widen", "option")),
+    )
+    f32 = said(("native", "float32 cache"), ("widen", "float32 cache"))
+    assert apply("auto", "auto", kv_dtype=torch.float32) == ("native", "widen", f32)
+    assert apply("sdpa", "dot", kv_dtype=torch.float32) == ("native", "widen", f32)
+    det = said(("native", "deterministic"), ("widen", "deterministic"))
+    assert apply("auto", "auto", target=backend(batch_invariant=True)) == ("native", "widen", det)
+    assert apply("auto", "auto", target=TorchAttentionBackend()) == (None, None, [])
+    dot_native[0] = False
+    no_dot = ("widen", "no AVX512-BF16")
+    assert apply("native", "auto") == ("native", "widen", said(("native", "option"), no_dot))
+    dot_native[0] = True
+    no_shape = ("widen", "no bf16 dot instance for this shape")
+    assert apply("native", "auto", shape=(2, 2, 32)) == ("native", "widen", said(("native", "option"), no_shape))
+    assert measured == []
+    timed = said(("sdpa", "timed"), ("dot", "timed"))
+    assert apply("auto", "auto") == ("sdpa", "dot", timed)
+    assert measured == [("prefill", 6, 2, 64), ("decode", 6, 2, 64)]
+    assert apply("sdpa", "dot", fast_bf16=False) == ("sdpa", "dot", said(("sdpa", "option"), ("dot", "option")))
+    assert apply("native", "widen") == ("native", "widen", said(("native", "option"), ("widen", "option")))
+    assert len(measured) == 2
+    with pytest.raises(ValueError, match="no bf16 dot path for 2 query heads over 2 KV heads of 32"):
+        apply("native", "dot", shape=(2, 2, 32))
+
+
+def test_measure_is_stored_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("sdpa", {"sdpa": 1.0}))
+    assert routes.measure(routes.PREFILL, 6, 2, 64) == "sdpa" and len(calls) == 1
+    assert routes.measure(routes.PREFILL, 6, 2, 64) == "sdpa" and len(calls) == 1  # read back, not timed
+    monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("native", {}))
+    assert routes.measure(routes.PREFILL, 6, 1, 64) == "native" and len(calls) == 2  # another shape: timed
+    monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("dot", {}))
+    assert routes.measure(routes.DECODE, 6, 2, 64) == "dot" and len(calls) == 3  # another kind: timed
+    assert routes.measure(routes.DECODE, 6, 2, 64) == "dot" and len(calls) == 3
+
+
+def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
+    """--prefill-attention sdpa reaches the model's layers: the prefill's
+    logits move by bf16 rounding of the queries, no more."""
+    from model_utils import PagedEngine, save_tiny_hf_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from executor_svc.worker import Worker
+
+    save_tiny_hf_model("llama_tied", str(tmp_path), head_dim=64)
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    logits = {}
+    for route in PREFILL_ROUTES:
+        w = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, prefill_attention=route))
+        assert w.attn_backend.prefill_route == route
+        engine = PagedEngine(w.model, num_blocks=16, block_size=16)
+        prompt = list(range(3, 60))
+        logits[route] = engine.step([(engine.add(prompt), len(prompt))])[0]
+    assert not torch.equal(logits["sdpa"], logits["native"])
+    scale = logits["native"].abs().max().item()
+    torch.testing.assert_close(logits["sdpa"], logits["native"], rtol=0, atol=0.05 * scale)
+
+
+def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path):
+    """--decode-attention dot reaches the model's layers (emulated on CPUs
+    without AVX512-BF16): a decode's logits move by bf16 rounding of the
+    queries and probabilities, no more; the prompt's prefill is unchanged."""
+    from model_utils import PagedEngine, save_tiny_hf_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from executor_svc.worker import Worker
+
+    if not native_kernel.dot_supported(4, 2, 64):
+        pytest.skip("the decode kernel's dot path needs AVX-512BW")
+    save_tiny_hf_model("llama_tied", str(tmp_path), head_dim=64)
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    logits = {}
+    for route in DECODE_ROUTES:
+        w = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, decode_attention=route))
+        assert w.attn_backend.decode_route == route
+        engine = PagedEngine(w.model, num_blocks=16, block_size=16)
+        prompt = list(range(3, 60))
+        seq = engine.add(prompt + [7])
+        logits[route] = (engine.step([(seq, len(prompt))])[0], engine.step([(seq, 1)])[0])
+    assert torch.equal(logits["dot"][0], logits["widen"][0])
+    assert not torch.equal(logits["dot"][1], logits["widen"][1])
+    scale = logits["widen"][1].abs().max().item()
+    torch.testing.assert_close(logits["dot"][1], logits["widen"][1], rtol=0, atol=0.05 * scale)

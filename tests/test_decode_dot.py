@@ -1,0 +1,141 @@
+"""The decode kernel's bf16 dot-product path (attention/native/decode_dot.h,
+route "dot"): raw bfloat16 K/V pairs through VDPBF16PS, or its emulation in
+AVX-512F on CPUs without AVX512-BF16, which is what runs here unless the
+CPU has the instruction. Checked against float64 attention over the same
+bf16-rounded queries: the only further error is the softmax probabilities'
+rounding to bf16 (relative 2^-9 each) and float32 sums."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from attention_utils import run_step
+
+from executor_svc.attention import native_kernel
+from executor_svc.attention.cpu_backend import CpuAttentionBackend
+from executor_svc.attention.reference import make_batch
+
+pytestmark = pytest.mark.skipif(
+    native_kernel.load() is None or not native_kernel.dot_supported(2, 1, 64),
+    reason="needs the AVX-512 decode kernel built with AVX-512BW",
+)
+# Contexts of 1 token, odd and even chunk ends, a block boundary inside a
+# chunk (block size 8 and 16), and a few chunks long.
+SHAPES = [(0, 1), (14, 1), (15, 1), (16, 1), (40, 1), (100, 1), (257, 1)]
+
+
+def backend(route: str, dot_native: bool | None = None) -> CpuAttentionBackend:
+    native = native_kernel.dot_native() if dot_native is None else dot_native
+    return CpuAttentionBackend(native_kernel.load(), decode_route=route, dot_native=native)
+
+
+def batch_for(head_dim: int, group: int, block_size: int = 16, float_queries: bool = True, seed: int = 0):
+    batch = make_batch(
+        SHAPES, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=torch.bfloat16, seed=seed
+    )
+    if float_queries:  # a widened bf16 model's: float32 queries and outputs, not bf16-valued
+        query = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(seed + 1)) * 2
+        batch = dataclasses.replace(batch, query=query)
+    return batch
+
+
+def decode(route: str, batch, **kw) -> torch.Tensor:
+    fresh = dataclasses.replace(
+        batch,
+        meta=dataclasses.replace(batch.meta, extra={}),
+        k_cache=batch.k_cache.clone(),
+        v_cache=batch.v_cache.clone(),
+    )
+    return run_step(backend(route, **kw), fresh)
+
+
+def rounded_query_reference(batch) -> torch.Tensor:
+    """float64 attention with the queries rounded to bfloat16, as the dot path rounds them."""
+    return dataclasses.replace(batch, query=batch.query.to(torch.bfloat16).float()).expected(torch.float64)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (128, 2), (128, 8)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_dot_decodes_are_attention_within_the_probabilities_rounding(head_dim, group, block_size):
+    """A weight w_j rounded to bf16 moves the output by at most 2^-8 w_j |v_j|
+    (2^-9 for the weight, the same again for its share of the normaliser),
+    so |error| <= 2^-8 max|V|, plus float32 rounding. The widening route
+    stays within float32 rounding of the unrounded queries' result."""
+    batch = batch_for(head_dim, group, block_size, seed=head_dim + group + block_size)
+    dot, widen = decode("dot", batch), decode("widen", batch)
+    vmax = max(v.abs().max().item() for v in batch.values)
+    err = (dot.double() - rounded_query_reference(batch)).abs().max().item()
+    assert err <= 2.0**-8 * vmax + 1e-5, f"{err} against a bound of {2.0**-8 * vmax}"
+    assert (widen.double() - batch.expected(torch.float64)).abs().max().item() < 1e-4
+    assert not torch.equal(dot, widen), "the bf16 rounding should show"
+
+
+def test_the_dims_come_back_in_order():
+    """V interleaved two tokens at a time and put back once: a cache whose
+    every V row is its dims' indices must give those indices back exactly
+    (every weight times the same row sums to it, whatever the rounding)."""
+    batch = batch_for(128, 3)
+    index = torch.arange(128, dtype=torch.float32).to(torch.bfloat16)  # 0..128 are exact in bf16
+    batch.v_cache[:] = index
+    values = [torch.zeros_like(v) + index for v in batch.values]
+    batch = dataclasses.replace(batch, values=values, new_value=torch.zeros_like(batch.new_value) + index)
+    out = decode("dot", batch)
+    torch.testing.assert_close(out, index.float().expand_as(out), rtol=2.0**-8, atol=0)
+
+
+def test_bf16_queries_and_outputs_match_the_float32_path_rounded():
+    """A bfloat16 model's queries and outputs go in and out as they are: the
+    float32 path over the same (bf16-valued) queries, rounded after."""
+    batch = batch_for(64, 3, float_queries=False, seed=5)
+    out = decode("dot", batch)
+    assert out.dtype == torch.bfloat16
+    widened = decode("dot", dataclasses.replace(batch, query=batch.query.float()))
+    assert torch.equal(out, widened.to(torch.bfloat16))
+
+
+def test_work_splits_give_the_same_bits():
+    """Seven decodes on one thread are split by decode (all KV heads in one
+    item), on four threads by (decode, KV head): each head's arithmetic is
+    the same either way."""
+    batch = batch_for(64, 3, seed=9)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            outs.append(decode("dot", batch))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_the_dot_path_is_refused_where_it_has_no_instance():
+    """head_dim 32 (no fast path), a float32 cache, the portable kernel, and
+    VDPBF16PS asked for on a CPU without it: a clear error, never the
+    widening arithmetic under the dot route's name."""
+    small = make_batch([(20, 1)], block_size=16, num_kv_heads=1, group=2, head_dim=32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no bf16 dot path for 2 query heads over 1 KV heads of 32"):
+        run_step(backend("dot"), small)
+    portable = CpuAttentionBackend(native_kernel.load(portable=True), decode_route="dot")
+    with pytest.raises(RuntimeError, match="no bf16 dot path"):
+        run_step(portable, batch_for(64, 3))
+    if not native_kernel.dot_native():
+        with pytest.raises(RuntimeError, match="no bf16 dot path"):
+            decode("dot", batch_for(64, 3), dot_native=True)
+    f32 = make_batch([(20, 1)], block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
+    assert torch.equal(run_step(backend("dot"), f32), run_step(backend("widen"), f32))  # no bf16 to multiply
+
+
+@pytest.mark.skipif(not native_kernel.dot_native(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 8)])
+def test_vdpbf16ps_agrees_with_its_emulation(head_dim, group):
+    """The instruction against its emulated arithmetic: they may differ where
+    the instruction flushes denormals (tiny probabilities) or rounds a lane's
+    pair of products otherwise (Intel defines two FMAs; other cores may
+    differ), by float32 summation error: far below the 2^-8 of the bf16
+    rounding the route already pays, which a wrong pairing would exceed."""
+    batch = batch_for(head_dim, group, seed=11)
+    native, emulated = decode("dot", batch, dot_native=True), decode("dot", batch, dot_native=False)
+    torch.testing.assert_close(native, emulated, rtol=1e-4, atol=1e-4)
