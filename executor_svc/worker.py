@@ -191,6 +191,7 @@ class Worker:
             config.decode_attention,
             self.attn_backend,
             self.kv_dtype,
+            self.dtype,
             self.device.type == "cpu" and cpu_has_fast_bf16(),
             mc.num_attention_heads // self.tp_size,
             mc.num_key_value_heads // self.tp_size,

@@ -138,10 +138,12 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(native_kernel, "dot_native", lambda: dot_native[0])
     dot_native = [True]
 
-    def apply(prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64)):
+    def apply(
+        prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64), model=None
+    ):
         target = target if target is not None else backend()
         with capture_logs() as logs:
-            routes.apply(prefill, decode, target, kv_dtype, fast_bf16, *shape)
+            routes.apply(prefill, decode, target, kv_dtype, model or kv_dtype, fast_bf16, *shape)
         lines = [(e["event"].split("_")[0], e["route"], e["why"]) for e in logs if e["event"].endswith("_route")]
         return getattr(target, "prefill_route", None), getattr(target, "decode_route", None), lines
 
@@ -159,6 +161,9 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     det = said(("native", "deterministic"), ("widen", "deterministic"))
     assert apply("auto", "auto", target=backend(batch_invariant=True)) == ("native", "widen", det)
     assert apply("auto", "auto", target=TorchAttentionBackend()) == (None, None, [])
+    f32_model = said(("native", "float32 model"), ("widen", "float32 model"))
+    assert apply("auto", "auto", model=torch.float32) == ("native", "widen", f32_model)
+    assert apply("sdpa", "dot", model=torch.float32)[:2] == ("sdpa", "dot")  # as asked
     dot_native[0] = False
     no_dot = ("widen", "no AVX512-BF16")
     assert apply("native", "auto") == ("native", "widen", said(("native", "option"), no_dot))

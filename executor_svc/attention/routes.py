@@ -142,7 +142,7 @@ def measure(kind: _Kind, num_heads: int, num_kv_heads: int, head_dim: int) -> st
     return route
 
 
-def _choose(kind: _Kind, option: str, backend, kv_dtype, available: str | None, shape) -> tuple[str, str]:
+def _choose(kind: _Kind, option: str, backend, kv_dtype, model_dtype, available: str | None, shape) -> tuple[str, str]:
     """(route, why) for one kind: the option as given, the float32 default
     where the choice cannot matter or is not `available` (a reason), or
     measured."""
@@ -153,6 +153,8 @@ def _choose(kind: _Kind, option: str, backend, kv_dtype, available: str | None, 
         return option, "option"
     if backend.batch_invariant:
         return default, "deterministic"
+    if model_dtype != torch.bfloat16:  # a float32 model asked for float32 arithmetic over its bf16 cache
+        return default, "float32 model"
     if available is not None:
         return default, available
     return measure(kind, *shape), "timed"
@@ -163,6 +165,7 @@ def apply(
     decode_option: str,
     backend,
     kv_dtype: torch.dtype,
+    model_dtype: torch.dtype,
     fast_bf16: bool,
     num_heads: int,
     num_kv_heads: int,
@@ -170,10 +173,11 @@ def apply(
 ) -> None:
     """--prefill-attention and --decode-attention for this executor's
     attention backend: "auto" measures (`measure`) where it can matter: a
-    CpuAttentionBackend over a bfloat16 cache, not batch-invariant, on a CPU
-    with native bf16 (`fast_bf16`; for decodes, the kernel's VDPBF16PS path
-    for this shape). Elsewhere the bf16 candidate is emulated and slower, and
-    the float32 arithmetic stays. An explicit "dot" on a CPU without
+    CpuAttentionBackend over a bfloat16 cache of a bfloat16 model (whose own
+    arithmetic rounds to bf16; a float32 model keeps float32 arithmetic over
+    its cache), not batch-invariant, on a CPU with native bf16 (`fast_bf16`;
+    for decodes, the kernel's VDPBF16PS path for this shape). Elsewhere the
+    bf16 candidate is emulated and slower, and the float32 arithmetic stays. An explicit "dot" on a CPU without
     AVX512-BF16 runs the emulation (a test of the path, not a speed-up)."""
     if not isinstance(backend, CpuAttentionBackend):
         return
@@ -185,7 +189,7 @@ def apply(
         if native_kernel.load_prefill() is None
         else None
     )
-    route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, prefill_missing, shape)
+    route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, model_dtype, prefill_missing, shape)
     backend.use_prefill_route(route)
     log.info("prefill_attention_route", route=route, why=why)
 
@@ -203,7 +207,7 @@ def apply(
         if not dot_shape
         else None
     )
-    route, why = _choose(DECODE, decode_option, backend, kv_dtype, decode_missing, shape)
+    route, why = _choose(DECODE, decode_option, backend, kv_dtype, model_dtype, decode_missing, shape)
     backend.use_decode_route(route)
     emulated = route == "dot" and not native_kernel.dot_native()
     log.info("decode_attention_route", route=route, why=why, **({"emulated": True} if emulated else {}))
