@@ -1,7 +1,7 @@
 """Decode attention's K/V read rate against the machine's copy bandwidth, float32 and bfloat16 KV.
 
     .venv/bin/python -m bench.kv_read_bandwidth [--threads 2] [--rounds 7] [--contexts 256,512,1024,2048]
-        [--batch 64] [--dtypes float32,bfloat16] [--baseline-commit REV]
+        [--batch 64] [--dtypes float32,bfloat16] [--baseline-commit REV] [--dot]
 
 Per context: one layer's decode attention over `--batch` decodes (SmolLM2's
 9 heads / 3 KV heads, head_dim 64, block size 16, blocks scattered), through
@@ -18,6 +18,12 @@ so that its reads come from DRAM as in a model step, not from L3.
 `--baseline-commit REV` also builds the decode kernel and CPU backend as
 they were at REV (its executor_svc tree from `git archive`) and times them
 interleaved with the current ones, round by round, so before/after ratios share the machine's load.
+
+`--dot` also times, on the bfloat16 rows, the decode route "dot" (K/V
+multiplied as raw bf16 pairs by VDPBF16PS, --decode-attention dot; its
+AVX-512F emulation on CPUs without AVX512-BF16, which only checks that it
+runs), interleaved with the widening kernel ("now"), and prints now/dot,
+the dot route's speed-up.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--baseline-commit", default=None)
+    p.add_argument("--dot", action="store_true", help="also time the bf16 dot decode route on bfloat16 rows")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     backends = {"now": CpuAttentionBackend(native_kernel.load())}
@@ -82,7 +89,11 @@ def main(argv=None) -> None:
         print(f"copy bandwidth (read + write, {a.threads} threads): {copy / 1e9:.1f} GB/s")
         for context in (int(c) for c in a.contexts.split(",")):
             for dtype in (getattr(torch, d) for d in a.dtypes.split(",")):
-                run(backends, context, dtype, a, copy)
+                dot = {}
+                if a.dot and dtype == torch.bfloat16:
+                    native = native_kernel.dot_native()
+                    dot["dot"] = CpuAttentionBackend(native_kernel.load(), decode_route="dot", dot_native=native)
+                run({**backends, **dot}, context, dtype, a, copy)
 
 
 def run(backends: dict, context: int, dtype: torch.dtype, a, copy: float) -> None:
@@ -114,8 +125,9 @@ def run(backends: dict, context: int, dtype: torch.dtype, a, copy: float) -> Non
         rate = layer_bytes / sec
         cells.append(f"{name} {1000 * sec:7.2f} ms {rate / 1e9:5.1f} GB/s ({rate / copy:4.2f} of copy)")
     ratio = ""
-    if "before" in times:
-        ratio = f"  before/now {statistics.median(times['before']) / statistics.median(times['now']):.2f}x"
+    for slow, fast in (("before", "now"), ("now", "dot")):  # the speed-up of the second
+        if slow in times and fast in times:
+            ratio += f"  {slow}/{fast} {statistics.median(times[slow]) / statistics.median(times[fast]):.2f}x"
     dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
     print(f"context {context:5} {dt:8} batch {a.batch}  " + "  ".join(cells) + f"{ratio}  max|diff| {diff:.1e}")
 

@@ -361,3 +361,18 @@ def test_overlap_sim_drives_the_real_scheduler_against_the_stand_in_executor():
     for overlap in (False, True):
         out = run_once(2.0, overlap, num_requests=4, max_tokens=16)
         assert out["steps"] >= 4 and 0 < out["busy"] <= 1.0 and out["tokens_per_s"] > 0
+
+
+def test_kv_read_bandwidth_times_the_dot_route_beside_the_kernel(capsys):
+    """--dot adds the bf16 dot decode route to the bfloat16 rows (emulated
+    where the CPU lacks AVX512-BF16) and prints its speed-up."""
+    from bench import kv_read_bandwidth
+    from executor_svc.attention import native_kernel
+
+    if native_kernel.load() is None or not native_kernel.dot_supported(9, 3, 64):
+        pytest.skip("needs the AVX-512 decode kernel built with AVX-512BW")
+    kv_read_bandwidth.main(["--contexts", "40", "--batch", "2", "--rounds", "1", "--dot"])
+    lines = capsys.readouterr().out.splitlines()
+    f32, bf16 = (next(line for line in lines if f" {dt} " in line) for dt in ("float32", "bfloat16"))
+    assert "dot" not in f32 and " now " in f32
+    assert " dot " in bf16 and "now/dot" in bf16 and "of copy" in bf16
