@@ -109,7 +109,7 @@ class ExecutorConfig:
         choices=("auto", "native", "sdpa"),  # cpu_backend.PREFILL_ROUTES
         help="Prefill attention over a bfloat16 KV cache on CPU: native = the FMA kernel (float32 "
         "arithmetic); sdpa = torch's SDPA in bfloat16 (oneDNN's bf16 or AMX GEMMs); auto = native, "
-        "except on CPUs with AVX512-BF16 or AMX, where both are timed at the first start and the "
+        "except for a bfloat16 model on CPUs with AVX512-BF16 or AMX, where both are timed at the first start and the "
         "faster kept (attention/routes.py). A float32 cache always takes the kernel.",
     )
     decode_attention: str = option(
@@ -117,8 +117,8 @@ class ExecutorConfig:
         choices=("auto", "widen", "dot"),  # cpu_backend.DECODE_ROUTES
         help="Decode attention over a bfloat16 KV cache on CPU: widen = K/V widened to float32 as read, "
         "float32 FMAs; dot = raw bf16 pairs through VDPBF16PS, queries and probabilities rounded to bf16 "
-        "(emulated, slower, on CPUs without AVX512-BF16); auto = widen, except on CPUs with AVX512-BF16, "
-        "where both are timed at the first start and the faster kept (attention/routes.py).",
+        "(emulated, slower, on CPUs without AVX512-BF16); auto = widen, except for a bfloat16 model on CPUs "
+        "with AVX512-BF16, where both are timed at the first start and the faster kept (attention/routes.py).",
     )
     decoder_stack: str = option(
         "auto",

@@ -346,6 +346,8 @@ class DecoderStack:
             raise IndexError(f"a KV slot outside the cache's {self._model.num_slots}: {slots.tolist()}")
         if status == -3:
             raise MemoryError("native decode attention could not allocate its scratch buffers")
+        if status == -5:
+            raise RuntimeError(f"decode route {self._backend.decode_route!r}: the kernel has no bf16 dot path here")
         if status != 0:
             raise RuntimeError(f"decoder_stack_forward: a kernel refused the step (status {status})")
         return out

@@ -60,6 +60,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int64_t decoder_stack_layout(const char *name)",
     ),
     "attention/native/paged_decode.c": (
+        "int paged_decode_dot_built(void)",
         "int paged_decode_dot_native(void)",
         "int paged_decode_attention(void *out, int64_t out_tok_stride, int64_t out_head_stride,"
         " const void *q, int64_t q_tok_stride, int64_t q_head_stride,"

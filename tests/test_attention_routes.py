@@ -123,7 +123,8 @@ def test_the_bf16_candidate_must_win_by_the_margin(kind, bf16_cost, wins):
 
 
 def test_the_real_candidates_time_and_name_a_route():
-    for kind in (routes.PREFILL, routes.DECODE):
+    kinds = (routes.PREFILL, routes.DECODE) if native_kernel.dot_supported(6, 2, 64) else (routes.PREFILL,)
+    for kind in kinds:
         backends = {name: routes._backend(kind, name) for name in kind.routes}
         route, times = routes.calibrate(kind, backends, 6, 2, 64, reps=1)
         assert route in kind.routes and set(times) == set(kind.routes) and min(times.values()) > 0
@@ -137,6 +138,8 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     monkeypatch.setattr(routes, "measure", lambda kind, *shape: measured.append((kind.name, *shape)) or kind.routes[1])
     monkeypatch.setattr(native_kernel, "dot_native", lambda: dot_native[0])
     dot_native = [True]
+    # The kernel's dot instances as on any AVX-512BW build, whatever this CPU has.
+    monkeypatch.setattr(native_kernel, "dot_supported", lambda heads, kv_heads, dim: dim in (64, 128))
 
     def apply(
         prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64), model=None
@@ -161,6 +164,9 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     det = said(("native", "deterministic"), ("widen", "deterministic"))
     assert apply("auto", "auto", target=backend(batch_invariant=True)) == ("native", "widen", det)
     assert apply("auto", "auto", target=TorchAttentionBackend()) == (None, None, [])
+    for asked in (("sdpa", "auto"), ("auto", "dot")):  # the cpu backend fell back to torch, or the device is CUDA
+        with pytest.raises(ValueError, match="needs the cpu attention backend; this executor runs torch"):
+            apply(*asked, target=TorchAttentionBackend())
     f32_model = said(("native", "float32 model"), ("widen", "float32 model"))
     assert apply("auto", "auto", model=torch.float32) == ("native", "widen", f32_model)
     assert apply("sdpa", "dot", model=torch.float32)[:2] == ("sdpa", "dot")  # as asked
@@ -217,7 +223,7 @@ def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
     torch.testing.assert_close(logits["sdpa"], logits["native"], rtol=0, atol=0.05 * scale)
 
 
-def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path):
+def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path, monkeypatch):
     """--decode-attention dot reaches the model's layers (emulated on CPUs
     without AVX512-BF16): a decode's logits move by bf16 rounding of the
     queries and probabilities, no more; the prompt's prefill is unchanged."""
@@ -229,11 +235,15 @@ def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path):
 
     if not native_kernel.dot_supported(4, 2, 64):
         pytest.skip("the decode kernel's dot path needs AVX-512BW")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no stored routes of the user's
     save_tiny_hf_model("llama_tied", str(tmp_path), head_dim=64)
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     logits = {}
     for route in DECODE_ROUTES:
-        w = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, decode_attention=route))
+        config = ExecutorConfig(
+            model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, prefill_attention="native", decode_attention=route
+        )
+        w = Worker(config)
         assert w.attn_backend.decode_route == route
         engine = PagedEngine(w.model, num_blocks=16, block_size=16)
         prompt = list(range(3, 60))

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from executor_svc.native_build import cpu_flags, load_library
+from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
 PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
@@ -40,10 +40,16 @@ def dot_native() -> bool:
 
 
 def dot_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the AVX-512 decode kernel has bf16 dot instances (native or
-    emulated) for this attention shape: those of its widening fast path."""
+    """Whether the decode kernel has bf16 dot instances (native or emulated)
+    for this attention shape: built (AVX-512BW), and one of its fast path's."""
     group = num_heads // num_kv_heads
-    return load() is not None and 1 <= group <= 8 and head_dim in (64, 128) and "avx512bw" in cpu_flags()
+    return _dot_built() and 1 <= group <= 8 and head_dim in (64, 128)
+
+
+@lru_cache(maxsize=1)
+def _dot_built() -> bool:
+    lib = load_library(SOURCE)
+    return lib is not None and lib.paged_decode_dot_built() == 1
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,13 @@ def apply(
     its cache), not batch-invariant, on a CPU with native bf16 (`fast_bf16`;
     for decodes, the kernel's VDPBF16PS path for this shape). Elsewhere the
     bf16 candidate is emulated and slower, and the float32 arithmetic stays. An explicit "dot" on a CPU without
-    AVX512-BF16 runs the emulation (a test of the path, not a speed-up)."""
+    AVX512-BF16 runs the emulation (a test of the path, not a speed-up). An
+    explicit route where the cpu backend is not in use (no kernel built, or
+    a device resolved to CUDA) is refused, not ignored."""
     if not isinstance(backend, CpuAttentionBackend):
+        for flag, option in (("--prefill-attention", prefill_option), ("--decode-attention", decode_option)):
+            if option != "auto":  # the config refuses it beside torch/triton/CUDA; here auto chose them
+                raise ValueError(f"{flag} {option} needs the cpu attention backend; this executor runs {backend.name}")
         return
     shape = (num_heads, num_kv_heads, head_dim)
     prefill_missing = (

@@ -156,7 +156,8 @@ static void write_kv_f32(float *k_cache, float *v_cache, const float *qkv, int64
 /* Runs every layer and the final norm. Returns 0; -2 (nothing run) for a slot
  * outside the cache; -3 if the attention kernel could not allocate; -4 if a
  * GEMM, SiLU*mul or K/V-write kernel refused (no vector path: decoder_stack.py
- * never lets that happen). */
+ * never lets that happen); -5 if the attention kernel has no path for the
+ * bf16 dot arithmetic asked for (attention/routes.py never asks then). */
 int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_step *s)
 {
     const int T = (int)s->num_tokens, H = (int)m->hidden, I = (int)m->inter, D = (int)m->head_dim;
@@ -184,10 +185,12 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         } else {
             write_kv_f32(L->k_cache, L->v_cache, qkv, QKV, Q, Q + NKV * D, s->slots, T, (int64_t)NKV * D);
         }
-        if (m->attention(attn, Q, D, qkv, QKV, D, L->k_cache, L->v_cache, (int)m->attention_flags, s->block_tables,
-                         s->table_stride, s->seq_lens, s->tokens, s->tokens, s->seq_index, T, NH, NKV, D,
-                         (int)m->block_size, (int)s->max_seq_len, (float)m->scale, threads))
-            return -3;
+        const int attended = m->attention(attn, Q, D, qkv, QKV, D, L->k_cache, L->v_cache, (int)m->attention_flags,
+                                          s->block_tables, s->table_stride, s->seq_lens, s->tokens, s->tokens,
+                                          s->seq_index, T, NH, NKV, D, (int)m->block_size, (int)s->max_seq_len,
+                                          (float)m->scale, threads);
+        if (attended)
+            return attended == -2 ? -5 : -3;
         if (linear(m, &L->o, attn_out, attn, xb, T, H, Q, threads))
             return -4;
         m->rms_norm(x, H, s->h, H, attn_out, H, L->post_norm, T, H, eps, threads);

@@ -15,7 +15,7 @@
  * bf16 attention in torch and oneDNN rounds them, so outputs differ from the
  * widening path's by bf16 rounding. paged_decode_attention runs this only
  * when asked (the `bf16` bits BF16_DOT / BF16_DOT_EMULATED), which
- * prefill_route.py's decode timing does where it measures faster.
+ * attention/routes.py's start-up timing does where it measures faster.
  *
  *   Q.K  a lane pairs dims (2i, 2i+1) of the query and of a key row: one
  *        64-byte load of raw K is 16 lanes, summed by sum16 as before, then

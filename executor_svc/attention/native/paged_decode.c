@@ -375,6 +375,17 @@ static decode_fn fast_path(int group, int head_dim, int bf16) {
 
 #endif /* AVX-512 */
 
+/* 1 where this build has the bf16 dot instances (native or emulated) for
+ * head_dim 64/128 and up to 8 query heads per KV head. */
+int paged_decode_dot_built(void)
+{
+#ifdef HAVE_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 where this build has the VDPBF16PS decode path and this CPU runs it. */
 int paged_decode_dot_native(void)
 {
