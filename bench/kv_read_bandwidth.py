@@ -91,8 +91,7 @@ def main(argv=None) -> None:
             for dtype in (getattr(torch, d) for d in a.dtypes.split(",")):
                 dot = {}
                 if a.dot and dtype == torch.bfloat16:
-                    native = native_kernel.dot_native()
-                    dot["dot"] = CpuAttentionBackend(native_kernel.load(), decode_route="dot", dot_native=native)
+                    dot["dot"] = CpuAttentionBackend(native_kernel.load(), decode_route="dot")
                 run({**backends, **dot}, context, dtype, a, copy)
 
 

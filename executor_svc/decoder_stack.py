@@ -167,7 +167,7 @@ class DecoderStack:
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),
             kv_write_bf16=_address(fused_ops._LIBRARIES[torch.bfloat16]().kv_write_bf16) if bf16 else None,
-            attention=_address(self._backend._kernel),
+            attention=_address(self._backend._kernel),  # and again each step (forward)
             final_norm=model.norm.data_ptr(),
             num_layers=len(model.layers),
             hidden=cfg.hidden_size,
@@ -322,7 +322,9 @@ class DecoderStack:
             if self._scratch.numel() < need:
                 self._scratch = torch.empty(need, dtype=torch.float32)
             scratch = self._scratch
-        # The decode route may change after the stack is built (attention/routes.py at start-up).
+        # The decode route may change after the stack is built (attention/routes.py
+        # at start-up), and with it the kernel build and its arithmetic bits.
+        self._model.attention = _address(self._backend._kernel)
         self._model.attention_flags = self._backend.decode_bf16_flags if self._model.kv_bf16 else 0
         out = torch.empty_like(h)
         step = _Step(

@@ -16,6 +16,7 @@ from attention_utils import run_step
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import CpuAttentionBackend
 from executor_svc.attention.reference import make_batch
+from executor_svc.native_build import load_library
 
 pytestmark = pytest.mark.skipif(
     native_kernel.load() is None or not native_kernel.dot_supported(2, 1, 64),
@@ -27,8 +28,7 @@ SHAPES = [(0, 1), (14, 1), (15, 1), (16, 1), (40, 1), (100, 1), (257, 1)]
 
 
 def backend(route: str, dot_native: bool | None = None) -> CpuAttentionBackend:
-    native = native_kernel.dot_native() if dot_native is None else dot_native
-    return CpuAttentionBackend(native_kernel.load(), decode_route=route, dot_native=native)
+    return CpuAttentionBackend(native_kernel.load(), decode_route=route, dot_native=dot_native)
 
 
 def batch_for(head_dim: int, group: int, block_size: int = 16, float_queries: bool = True, seed: int = 0):
@@ -112,21 +112,30 @@ def test_work_splits_give_the_same_bits():
 
 
 def test_the_dot_path_is_refused_where_it_has_no_instance():
-    """head_dim 32 (no fast path), the portable kernel, and VDPBF16PS asked
-    for on a CPU without it: a clear error, never the widening arithmetic
-    under the dot route's name. A float32 cache has no bf16 to multiply: the
-    route leaves it to the float32 kernel."""
+    """head_dim 32 (no fast path) and VDPBF16PS asked for on a CPU without
+    it: a clear error, never the widening arithmetic under the dot route's
+    name. A float32 cache has no bf16 to multiply: the route leaves it to the
+    float32 kernel."""
     small = make_batch([(20, 1)], block_size=16, num_kv_heads=1, group=2, head_dim=32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="no bf16 dot path for 2 query heads over 1 KV heads of 32"):
         run_step(backend("dot"), small)
-    portable = CpuAttentionBackend(native_kernel.load(portable=True), decode_route="dot")
-    with pytest.raises(RuntimeError, match="no bf16 dot path"):
-        run_step(portable, batch_for(64, 3))
     if not native_kernel.dot_native():
         with pytest.raises(RuntimeError, match="no bf16 dot path"):
             decode("dot", batch_for(64, 3), dot_native=True)
     f32 = make_batch([(20, 1)], block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
     assert torch.equal(run_step(backend("dot"), f32), run_step(backend("widen"), f32))  # no bf16 to multiply
+
+
+def test_only_the_dot_build_has_the_dot_instances():
+    """The default build (what every start compiles) leaves them out: they
+    double its compile time; the portable build has no fast path for them."""
+    dot_built = {
+        flags: load_library(native_kernel.SOURCE, flags).paged_decode_dot_built()
+        for flags in ((), ("-DPAGED_DECODE_DOT",), ("-DPAGED_DECODE_GENERIC", "-DPAGED_DECODE_DOT"))
+    }
+    assert list(dot_built.values()) == [0, 1, 0]
+    assert backend("widen")._kernel is native_kernel.load()
+    assert backend("dot")._kernel is native_kernel.load(dot=True)
 
 
 @pytest.mark.skipif(not native_kernel.dot_native(), reason="needs AVX512-BF16")

@@ -31,9 +31,7 @@ def get_backend(name: str, batch_invariant: bool = False) -> AttentionBackend:
         if kernel is not None:
             from executor_svc.attention.cpu_backend import CpuAttentionBackend
 
-            return CpuAttentionBackend(
-                kernel, native_kernel.load_prefill(), batch_invariant, dot_native=native_kernel.dot_native()
-            )
+            return CpuAttentionBackend(kernel, native_kernel.load_prefill(), batch_invariant)
         if batch_invariant:
             raise ValueError("--deterministic needs the native CPU attention kernel, which could not be built here")
         name = "torch"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc import fused_ops
+from executor_svc.attention import native_kernel
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
@@ -94,13 +95,16 @@ class CpuAttentionBackend:
         batch_invariant: bool = False,
         prefill_route: str = "native",
         decode_route: str = "widen",
-        dot_native: bool = False,
+        dot_native: bool | None = None,
     ):
         self._kernel = kernel
         self._prefill_kernel = prefill_kernel
         self.batch_invariant = batch_invariant
         self._prefills = TorchAttentionBackend(handle_decodes=False)
-        self._dot_native = dot_native  # the kernel's VDPBF16PS path runs here (native_kernel.dot_native)
+        self._widen_kernel = kernel
+        # Whether the dot route runs VDPBF16PS (else its emulation); None = what
+        # this CPU has (native_kernel.dot_native). Tests force the emulation.
+        self._dot_native = dot_native
         self.use_prefill_route(prefill_route)
         self.use_decode_route(decode_route)
 
@@ -117,17 +121,25 @@ class CpuAttentionBackend:
 
     def use_decode_route(self, route: str) -> None:
         """Decodes over a bfloat16 cache through `route` from the next step on:
-        "widen" (float32 FMAs) or "dot" (VDPBF16PS, emulated where this CPU
-        lacks it). A float32 cache always widens nothing; batch-invariant mode
-        keeps "widen", the arithmetic docs/determinism.md describes."""
+        "widen" (float32 FMAs, the kernel this backend was built with) or
+        "dot" (VDPBF16PS, emulated where this CPU lacks it, from the kernel's
+        dot build, which also serves float32 caches and the widening
+        arithmetic). Batch-invariant mode keeps "widen", the arithmetic
+        docs/determinism.md describes."""
         if route not in DECODE_ROUTES:
             raise ValueError(f"decode route {route!r}: expected one of {DECODE_ROUTES}")
         if route == "dot" and self.batch_invariant:
             raise ValueError("batch-invariant attention keeps the widening decode kernel")
+        self._kernel = self._widen_kernel
+        self.decode_bf16_flags = _BF16_KV  # the kernel's bits for a bfloat16 cache (the decoder stack's too)
+        if route == "dot":
+            kernel = native_kernel.load(dot=True)
+            if kernel is None:
+                raise ValueError("decode route 'dot': the decode kernel's dot build is unavailable here")
+            native = native_kernel.dot_native() if self._dot_native is None else self._dot_native
+            self._kernel = kernel
+            self.decode_bf16_flags |= _BF16_DOT if native else _BF16_DOT_EMULATED
         self.decode_route = route
-        # The kernel's bits for a bfloat16 cache (the decoder stack passes them too).
-        dot = _BF16_DOT if self._dot_native else _BF16_DOT_EMULATED
-        self.decode_bf16_flags = _BF16_KV | (dot if route == "dot" else 0)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         """K/V (bfloat16, or float32 from a widened model or float32 weights)

@@ -13,42 +13,51 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from executor_svc.native_build import load_library
+from executor_svc.native_build import cpu_flags, load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
 PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
 
 
-@lru_cache(maxsize=2)
-def load(portable: bool = False):
+@lru_cache(maxsize=4)
+def load(portable: bool = False, dot: bool = False):
     """The compiled kernel's function, or None if it cannot be built here.
 
     `portable` builds the plain-C kernel even where AVX-512 is available
-    (tests check both paths on one machine)."""
-    lib = load_library(SOURCE, ("-DPAGED_DECODE_GENERIC",) if portable else ())
+    (tests check both paths on one machine). `dot` builds the kernel with its
+    bf16 dot-product instances too (decode_dot.h: VDPBF16PS and its
+    emulation), which double its compile time: only the "dot" decode route
+    and its start-up timing load it."""
+    flags = ("-DPAGED_DECODE_GENERIC",) if portable else ()
+    lib = load_library(SOURCE, flags + (("-DPAGED_DECODE_DOT",) if dot else ()))
     if lib is None:
         return None
     return lib.paged_decode_attention  # typed from native_signatures.py
 
 
 @lru_cache(maxsize=1)
+def _dot_library():
+    return load_library(SOURCE, ("-DPAGED_DECODE_DOT",))
+
+
+@lru_cache(maxsize=1)
 def dot_native() -> bool:
-    """Whether the decode kernel's VDPBF16PS path (decode_dot.h) runs on this
-    CPU: built with gcc for AVX-512BW, and the CPU has AVX512-BF16."""
-    lib = load_library(SOURCE)
+    """Whether the decode kernel's VDPBF16PS path runs here: the CPU has
+    AVX512-BF16 (checked first, so other CPUs never build the dot kernel),
+    and the dot build has the instruction's path (gcc, AVX-512BW)."""
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    lib = _dot_library()
     return lib is not None and lib.paged_decode_dot_native() == 1
 
 
 def dot_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the decode kernel has bf16 dot instances (native or emulated)
-    for this attention shape: built (AVX-512BW), and one of its fast path's."""
+    """Whether the dot build has bf16 dot instances (native or emulated) for
+    this attention shape: built (AVX-512BW), and one of its fast path's."""
     group = num_heads // num_kv_heads
-    return _dot_built() and 1 <= group <= 8 and head_dim in (64, 128)
-
-
-@lru_cache(maxsize=1)
-def _dot_built() -> bool:
-    lib = load_library(SOURCE)
+    if not (1 <= group <= 8 and head_dim in (64, 128)):
+        return False
+    lib = _dot_library()
     return lib is not None and lib.paged_decode_dot_built() == 1
 
 

@@ -115,7 +115,7 @@ def _backend(kind: _Kind, route: str) -> CpuAttentionBackend:
     decode, prefill = native_kernel.load(), native_kernel.load_prefill()
     if kind is PREFILL:
         return CpuAttentionBackend(decode, prefill, prefill_route=route)
-    return CpuAttentionBackend(decode, prefill, decode_route=route, dot_native=native_kernel.dot_native())
+    return CpuAttentionBackend(decode, prefill, decode_route=route)
 
 
 def measure(kind: _Kind, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
@@ -142,10 +142,12 @@ def measure(kind: _Kind, num_heads: int, num_kv_heads: int, head_dim: int) -> st
     return route
 
 
-def _choose(kind: _Kind, option: str, backend, kv_dtype, model_dtype, available: str | None, shape) -> tuple[str, str]:
+def _choose(
+    kind: _Kind, option: str, backend, kv_dtype, model_dtype, missing: Callable[[], str | None], shape
+) -> tuple[str, str]:
     """(route, why) for one kind: the option as given, the float32 default
-    where the choice cannot matter or is not `available` (a reason), or
-    measured."""
+    where the choice cannot matter or the bf16 candidate is `missing()` (a
+    reason; asked last, since it may build a kernel), or measured."""
     default, bf16 = kind.routes
     if kv_dtype != torch.bfloat16:
         return default, "float32 cache"
@@ -155,8 +157,9 @@ def _choose(kind: _Kind, option: str, backend, kv_dtype, model_dtype, available:
         return default, "deterministic"
     if model_dtype != torch.bfloat16:  # a float32 model asked for float32 arithmetic over its bf16 cache
         return default, "float32 model"
-    if available is not None:
-        return default, available
+    reason = missing()
+    if reason is not None:
+        return default, reason
     return measure(kind, *shape), "timed"
 
 
@@ -177,41 +180,38 @@ def apply(
     arithmetic rounds to bf16; a float32 model keeps float32 arithmetic over
     its cache), not batch-invariant, on a CPU with native bf16 (`fast_bf16`;
     for decodes, the kernel's VDPBF16PS path for this shape). Elsewhere the
-    bf16 candidate is emulated and slower, and the float32 arithmetic stays. An explicit "dot" on a CPU without
-    AVX512-BF16 runs the emulation (a test of the path, not a speed-up). An
-    explicit route where the cpu backend is not in use (no kernel built, or
-    a device resolved to CUDA) is refused, not ignored."""
+    bf16 candidate is emulated and slower, and the float32 arithmetic stays
+    (and the decode kernel's dot build is never compiled). An explicit "dot"
+    on a CPU without AVX512-BF16 runs the emulation (a test of the path, not
+    a speed-up). An explicit route where the cpu backend is not in use (no
+    kernel built, or a device resolved to CUDA) is refused, not ignored."""
     if not isinstance(backend, CpuAttentionBackend):
         for flag, option in (("--prefill-attention", prefill_option), ("--decode-attention", decode_option)):
             if option != "auto":  # the config refuses it beside torch/triton/CUDA; here auto chose them
                 raise ValueError(f"{flag} {option} needs the cpu attention backend; this executor runs {backend.name}")
         return
     shape = (num_heads, num_kv_heads, head_dim)
-    prefill_missing = (
-        "no native bf16"
-        if not fast_bf16
-        else "no prefill kernel (SDPA for every prefill)"
-        if native_kernel.load_prefill() is None
-        else None
-    )
+
+    def prefill_missing() -> str | None:
+        if not fast_bf16:
+            return "no native bf16"
+        return "no prefill kernel (SDPA for every prefill)" if native_kernel.load_prefill() is None else None
+
+    def decode_missing() -> str | None:
+        if not native_kernel.dot_native():
+            return "no AVX512-BF16"
+        return None if native_kernel.dot_supported(*shape) else "no bf16 dot instance for this shape"
+
     route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, model_dtype, prefill_missing, shape)
     backend.use_prefill_route(route)
     log.info("prefill_attention_route", route=route, why=why)
 
-    dot_shape = native_kernel.dot_supported(*shape)
-    if decode_option == "dot" and kv_dtype == torch.bfloat16 and not dot_shape:
+    if decode_option == "dot" and kv_dtype == torch.bfloat16 and not native_kernel.dot_supported(*shape):
         raise ValueError(
             f"--decode-attention dot: the decode kernel has no bf16 dot path for {num_heads} query heads over "
             f"{num_kv_heads} KV heads of {head_dim} (it needs AVX-512BW, head_dim 64 or 128, at most 8 query "
             "heads per KV head)"
         )
-    decode_missing = (
-        "no AVX512-BF16"
-        if not native_kernel.dot_native()
-        else "no bf16 dot instance for this shape"
-        if not dot_shape
-        else None
-    )
     route, why = _choose(DECODE, decode_option, backend, kv_dtype, model_dtype, decode_missing, shape)
     backend.use_decode_route(route)
     emulated = route == "dot" and not native_kernel.dot_native()

@@ -20,9 +20,9 @@
  * either around the call. Over a bfloat16 cache, BF16_DOT multiplies with
  * VDPBF16PS instead of widening (decode_dot.h: queries and probabilities
  * rounded to bf16), and BF16_DOT_EMULATED does the same arithmetic in
- * AVX-512F; either returns -2 where that path is missing (no AVX-512BW
- * build, no instance for the shape, or BF16_DOT on a CPU without
- * AVX512-BF16: paged_decode_dot_native() says).
+ * AVX-512F; either returns -2 where that path is missing (a build without
+ * -DPAGED_DECODE_DOT or AVX-512BW, no instance for the shape, or BF16_DOT
+ * on a CPU without AVX512-BF16: paged_decode_dot_native() says).
  *
  * Two implementations behind one entry point:
  *  - AVX-512 (head_dim 64 or 128, up to 8 query heads per KV head): work item
@@ -326,11 +326,13 @@ typedef void (*decode_fn)(float *, int64_t, const float *, int64_t, const void *
 static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROUP(4),
                                               GROUP(5), GROUP(6), GROUP(7), GROUP(8)};
 
-/* The bf16 dot-product instances (decode_dot.h): emulated, and with VDPBF16PS
- * where the compiler has it (gcc only, as packed_gemm.c's: an older clang may
- * lack "avx512bf16" in __builtin_cpu_supports). Their V interleave needs
- * AVX-512BW, which every CPU with AVX512-BF16 has. */
-#if defined(__AVX512BW__)
+/* The bf16 dot-product instances (decode_dot.h), in the build made with
+ * -DPAGED_DECODE_DOT only (they double the compile time, and only the "dot"
+ * decode route uses them): emulated, and with VDPBF16PS where the compiler
+ * has it (gcc only, as packed_gemm.c's: an older clang may lack "avx512bf16"
+ * in __builtin_cpu_supports). Their V interleave needs AVX-512BW, which
+ * every CPU with AVX512-BF16 has. */
+#if defined(__AVX512BW__) && defined(PAGED_DECODE_DOT)
 #define HAVE_DOT 1
 #include "../../native/bf16.h"
 #include "../../native/bf16_dot.h"
