@@ -1,7 +1,7 @@
 """Decode and prefill step time under two CPU GEMM settings, interleaved in one process.
 
     .venv/bin/python -m bench.cpu_gemm_ab [--setting cpu-gemm|gguf-blocks|dtype|bf16-gemm|bf16-gguf-blocks|gguf-activations|
-        decoder-stack|bf16-decoder-stack|bf16-prefill-attention|bf16-decode-attention]
+        decoder-stack|bf16-decoder-stack|bf16-prefill-attention|bf16-prefill-dot|bf16-decode-attention]
         [--rounds 5] [--num-threads 2]
         [--batch-sizes 1,8,16,32,64,128]
 
@@ -21,7 +21,9 @@ count over the GGUF's blocks with int8 activations, AVX512-VNNI) with float;
 --decoder-stack auto (a decode step's layers in one native call) with off;
 --setting bf16-prefill-attention compares, in the bfloat16 path, prefill
 attention through SDPA in bfloat16 (--prefill-attention sdpa) with the
-native kernel.
+native kernel, and bf16-prefill-dot the kernel's VDPBF16PS path
+(--prefill-attention dot) with it; bf16-decode-attention compares decode
+attention through VDPBF16PS (--decode-attention dot) with widening.
 Loads the embedded model twice, one executor per value, and times the same
 rows as bench.forward_sweep (decode batches at one context, a 64-decode step
 at a longer context, an 8 x 256-token prefill), alternating the two
@@ -55,6 +57,7 @@ SETTINGS = {
     "decoder-stack": ("decoder_stack", ("auto", "off"), {}),
     "bf16-decoder-stack": ("decoder_stack", ("auto", "off"), {"dtype": "bfloat16"}),
     "bf16-prefill-attention": ("prefill_attention", ("sdpa", "native"), {"dtype": "bfloat16"}),
+    "bf16-prefill-dot": ("prefill_attention", ("dot", "native"), {"dtype": "bfloat16"}),
     "bf16-decode-attention": ("decode_attention", ("dot", "widen"), {"dtype": "bfloat16"}),
 }
 

@@ -106,11 +106,13 @@ class ExecutorConfig:
     )
     prefill_attention: str = option(
         "auto",
-        choices=("auto", "native", "sdpa"),  # cpu_backend.PREFILL_ROUTES
+        choices=("auto", "native", "sdpa", "dot"),  # cpu_backend.PREFILL_ROUTES
         help="Prefill attention over a bfloat16 KV cache on CPU: native = the FMA kernel (float32 "
-        "arithmetic); sdpa = torch's SDPA in bfloat16 (oneDNN's bf16 or AMX GEMMs); auto = native, "
-        "except for a bfloat16 model on CPUs with AVX512-BF16 or AMX, where both are timed at the first start and the "
-        "faster kept (attention/routes.py). A float32 cache always takes the kernel.",
+        "arithmetic); sdpa = torch's SDPA in bfloat16 (oneDNN's bf16 or AMX GEMMs); dot = the kernel "
+        "multiplying raw bf16 pairs with VDPBF16PS (emulated, slower, on CPUs without AVX512-BF16); "
+        "auto = native, except for a bfloat16 model on CPUs with AVX512-BF16 or AMX, where the "
+        "candidates are timed at the first start and the fastest kept (attention/routes.py). A "
+        "float32 cache always takes the float32 kernel.",
     )
     decode_attention: str = option(
         "auto",
@@ -173,8 +175,11 @@ class ExecutorConfig:
                 raise ValueError(
                     f"{flag} {value} chooses within the cpu attention backend (--attention-backend cpu or auto, on CPU)"
                 )
-        if self.deterministic and self.prefill_attention == "sdpa":
-            raise ValueError("--deterministic: --prefill-attention sdpa orders its sums by the batch shape")
+        if self.deterministic and self.prefill_attention in ("sdpa", "dot"):
+            raise ValueError(
+                f"--deterministic: --prefill-attention {self.prefill_attention} is not the arithmetic "
+                "docs/determinism.md pins"
+            )
         if self.deterministic and self.decode_attention == "dot":
             raise ValueError("--deterministic: --decode-attention dot is not the arithmetic docs/determinism.md pins")
         if self.deterministic and self.gguf_activations == "int8":

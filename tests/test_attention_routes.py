@@ -113,13 +113,22 @@ class FakeBackend:
 @pytest.mark.parametrize("kind", [routes.PREFILL, routes.DECODE], ids=["prefill", "decode"])
 @pytest.mark.parametrize(("bf16_cost", "wins"), [(0.90, True), (0.97, False), (1.20, False)])
 def test_the_bf16_candidate_must_win_by_the_margin(kind, bf16_cost, wins):
-    default, bf16 = kind.routes
+    default, bf16 = kind.routes[:2]
     now = [0.0]
     fakes = {default: FakeBackend(1.0, now), bf16: FakeBackend(bf16_cost, now)}
     route, times = routes.calibrate(kind, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])
     assert route == (bf16 if wins else default)
     assert times == {default: 1e6, bf16: round(bf16_cost * 1e6, 1)}
     assert fakes[default].calls == fakes[bf16].calls == 4  # a warm-up, then 3 timed
+
+
+def test_the_fastest_of_several_candidates_is_kept():
+    now = [0.0]
+    costs = {"native": 1.0, "sdpa": 0.93, "dot": 0.8}
+    fakes = {name: FakeBackend(cost, now) for name, cost in costs.items()}
+    assert routes.calibrate(routes.PREFILL, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])[0] == "dot"
+    fakes["dot"].cost = 1.1
+    assert routes.calibrate(routes.PREFILL, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])[0] == "sdpa"
 
 
 def test_the_real_candidates_time_and_name_a_route():
@@ -135,7 +144,12 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     from structlog.testing import capture_logs
 
     measured = []
-    monkeypatch.setattr(routes, "measure", lambda kind, *shape: measured.append((kind.name, *shape)) or kind.routes[1])
+
+    def fake_measure(kind, candidates, *shape):
+        measured.append((kind.name, candidates, *shape))
+        return candidates[-1]
+
+    monkeypatch.setattr(routes, "measure", fake_measure)
     monkeypatch.setattr(native_kernel, "dot_native", lambda: dot_native[0])
     dot_native = [True]
     # The kernel's dot instances as on any AVX-512BW build, whatever this CPU has.
@@ -177,9 +191,9 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     no_shape = ("widen", "no bf16 dot instance for this shape")
     assert apply("native", "auto", shape=(2, 2, 32)) == ("native", "widen", said(("native", "option"), no_shape))
     assert measured == []
-    timed = said(("sdpa", "timed"), ("dot", "timed"))
-    assert apply("auto", "auto") == ("sdpa", "dot", timed)
-    assert measured == [("prefill", 6, 2, 64), ("decode", 6, 2, 64)]
+    timed = said(("dot", "timed"), ("dot", "timed"))
+    assert apply("auto", "auto") == ("dot", "dot", timed)
+    assert measured == [("prefill", ("sdpa", "dot"), 6, 2, 64), ("decode", ("dot",), 6, 2, 64)]
     assert apply("sdpa", "dot", fast_bf16=False) == ("sdpa", "dot", said(("sdpa", "option"), ("dot", "option")))
     assert apply("native", "widen") == ("native", "widen", said(("native", "option"), ("widen", "option")))
     assert len(measured) == 2
@@ -191,18 +205,20 @@ def test_measure_is_stored_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
     monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("sdpa", {"sdpa": 1.0}))
-    assert routes.measure(routes.PREFILL, 6, 2, 64) == "sdpa" and len(calls) == 1
-    assert routes.measure(routes.PREFILL, 6, 2, 64) == "sdpa" and len(calls) == 1  # read back, not timed
+    assert routes.measure(routes.PREFILL, ("sdpa",), 6, 2, 64) == "sdpa" and len(calls) == 1
+    assert routes.measure(routes.PREFILL, ("sdpa",), 6, 2, 64) == "sdpa" and len(calls) == 1  # read back, not timed
     monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("native", {}))
-    assert routes.measure(routes.PREFILL, 6, 1, 64) == "native" and len(calls) == 2  # another shape: timed
+    assert routes.measure(routes.PREFILL, ("sdpa",), 6, 1, 64) == "native" and len(calls) == 2  # another shape
+    assert routes.measure(routes.PREFILL, ("sdpa", "dot"), 6, 2, 64) == "native" and len(calls) == 3  # candidates
+    assert set(calls[-1][1]) == {"native", "sdpa", "dot"}  # the backends timed
     monkeypatch.setattr(routes, "calibrate", lambda *a, **k: calls.append(a) or ("dot", {}))
-    assert routes.measure(routes.DECODE, 6, 2, 64) == "dot" and len(calls) == 3  # another kind: timed
-    assert routes.measure(routes.DECODE, 6, 2, 64) == "dot" and len(calls) == 3
+    assert routes.measure(routes.DECODE, ("dot",), 6, 2, 64) == "dot" and len(calls) == 4  # another kind: timed
+    assert routes.measure(routes.DECODE, ("dot",), 6, 2, 64) == "dot" and len(calls) == 4
 
 
 def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
-    """--prefill-attention sdpa reaches the model's layers: the prefill's
-    logits move by bf16 rounding of the queries, no more."""
+    """--prefill-attention sdpa and dot reach the model's layers: the
+    prefill's logits move by bf16 rounding, no more."""
     from model_utils import PagedEngine, save_tiny_hf_model
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -218,9 +234,10 @@ def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
         engine = PagedEngine(w.model, num_blocks=16, block_size=16)
         prompt = list(range(3, 60))
         logits[route] = engine.step([(engine.add(prompt), len(prompt))])[0]
-    assert not torch.equal(logits["sdpa"], logits["native"])
     scale = logits["native"].abs().max().item()
-    torch.testing.assert_close(logits["sdpa"], logits["native"], rtol=0, atol=0.05 * scale)
+    for bf16_route in ("sdpa", "dot"):
+        assert not torch.equal(logits[bf16_route], logits["native"])
+        torch.testing.assert_close(logits[bf16_route], logits["native"], rtol=0, atol=0.05 * scale)
 
 
 def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path, monkeypatch):

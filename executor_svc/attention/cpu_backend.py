@@ -40,9 +40,13 @@ from executor_svc.attention.native_kernel import PrefillKernel
 from executor_svc.attention.torch_backend import TorchAttentionBackend, check_metadata
 
 _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decode.c)
-# How prefills of a bfloat16 cache run: the native kernel, or SDPA in
-# bfloat16 (on CPUs with native bf16, when routes.py measures it faster).
-PREFILL_ROUTES = ("native", "sdpa")
+# How prefills of a bfloat16 cache run: the native kernel widening K/V to
+# float32, SDPA in bfloat16, or the kernel multiplying raw bf16 pairs with
+# VDPBF16PS (emulated where the CPU lacks it); routes.py times them on CPUs
+# with native bf16.
+PREFILL_ROUTES = ("native", "sdpa", "dot")
+# paged_prefill.c's `cache_bf16` bits.
+_PREFILL_BF16, _PREFILL_DOT, _PREFILL_DOT_EMULATED = 1, 2, 4
 # How the decode kernel multiplies over a bfloat16 cache: K/V widened to
 # float32 for float32 FMAs, or raw bf16 pairs through VDPBF16PS with the
 # queries and probabilities rounded to bf16 (its emulation where the CPU
@@ -110,14 +114,20 @@ class CpuAttentionBackend:
 
     def use_prefill_route(self, route: str) -> None:
         """Prefills over a bfloat16 cache through `route` from the next step on:
-        "native" (the kernel, float32 arithmetic) or "sdpa" (SDPA with the
-        queries rounded to bfloat16). A float32 cache always takes the kernel;
-        batch-invariant mode, the decode kernel."""
+        "native" (the kernel, float32 arithmetic), "sdpa" (SDPA with the
+        queries rounded to bfloat16) or "dot" (the kernel's bf16 dot product,
+        queries and probabilities rounded to bfloat16). A float32 cache always
+        takes the kernel's float32 arithmetic; batch-invariant mode, the
+        decode kernel."""
         if route not in PREFILL_ROUTES:
             raise ValueError(f"prefill route {route!r}: expected one of {PREFILL_ROUTES}")
-        if route == "sdpa" and self.batch_invariant:
+        if route != "native" and self.batch_invariant:
             raise ValueError("batch-invariant attention runs every prefill token through the decode kernel")
         self.prefill_route = route
+        self._prefill_bf16_flags = _PREFILL_BF16
+        if route == "dot":
+            native = native_kernel.dot_native() if self._dot_native is None else self._dot_native
+            self._prefill_bf16_flags |= _PREFILL_DOT if native else _PREFILL_DOT_EMULATED
 
     def use_decode_route(self, route: str) -> None:
         """Decodes over a bfloat16 cache through `route` from the next step on:
@@ -212,7 +222,8 @@ class CpuAttentionBackend:
                 q = q.contiguous()
             direct = out.dtype == torch.float32 and out.stride(2) == 1
             target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, bf16, meta, scale, target)
+            flags = self._prefill_bf16_flags if bf16 else 0
+            prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, flags, meta, scale, target)
             if prefill_rows is None:  # no native path for this shape or CPU: SDPA
                 out = self._sdpa_prefills(query, k_cache, v_cache, meta, scale, out)
             elif not direct:
@@ -281,7 +292,7 @@ class CpuAttentionBackend:
         k_cache,
         v_cache,
         tables,
-        bf16: int,
+        flags: int,
         meta: AttentionMetadata,
         scale: float,
         target,
@@ -300,7 +311,7 @@ class CpuAttentionBackend:
             q.stride(1),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            bf16,
+            flags,
             tables.data_ptr(),
             tables.stride(0),
             items.token.data_ptr(),
@@ -315,8 +326,13 @@ class CpuAttentionBackend:
             scale,
             torch.get_num_threads(),
         )
-        if status == -1:
+        if status == -1 and not flags & (_PREFILL_DOT | _PREFILL_DOT_EMULATED):
             return None
+        if status in (-1, -4):
+            raise RuntimeError(
+                f"prefill route {self.prefill_route!r}: the prefill kernel has no bf16 dot path for"
+                f" {q.shape[1]} query heads over {k_cache.shape[2]} KV heads of {q.shape[2]}"
+            )
         if status == -2:
             raise MemoryError("native prefill attention could not allocate its scratch buffers")
         assert status == 0, f"native prefill attention rejected its work items (status {status})"

@@ -10,6 +10,9 @@ Prefills (`--prefill-attention`):
             kernel multiplies bf16 blocks through oneDNN (AMX tiles where the
             CPU has them), accumulating in float32 but rounding the softmax
             probabilities and the output to bf16
+    dot     the kernel's VDPBF16PS path (prefill_dot.h): raw bf16 K pairs and
+            interleaved V pairs, queries and probabilities rounded to bf16;
+            half the instructions of `native` per product
 
 Decodes (`--decode-attention`):
 
@@ -23,9 +26,10 @@ Where bf16 multiplies at twice the float32 rate (AVX512-BF16) or far more
 (AMX), and the bf16 GEMM routes (bf16_gemm_routes.py) have made the linear
 layers that much faster, attention's float32 arithmetic becomes a growing
 share of a step. Which one wins depends on the CPU, so each is timed, as
-the GEMM routes are: both candidates on the model's attention shape,
-alternated, over a synthetic step (PREFILL_STEP, DECODE_STEP); the bf16
-candidate, which rounds, must win by BF16_MARGIN. The result is stored in
+the GEMM routes are: the candidates this machine has on the model's
+attention shape, alternated, over a synthetic step (PREFILL_STEP,
+DECODE_STEP); the fastest bf16 candidate, which rounds, must beat the
+float32 default by BF16_MARGIN. The result is stored in
 the kernel cache like theirs (same key discipline), so an executor restarted
 on this machine computes the same numbers.
 """
@@ -56,10 +60,10 @@ DECODE_STEP = tuple((64 + 32 * i, 1) for i in range(32))
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
-    """One choice this module times: its candidates, the bf16 one, and its step."""
+    """One choice this module times: its routes and its step."""
 
     name: str
-    routes: tuple[str, str]  # (the float32 default, the bf16 candidate)
+    routes: tuple[str, ...]  # (the float32 default, the bf16 candidates...)
     step: tuple[tuple[int, int], ...]
     source: str  # the kernel source whose build the stored result depends on
 
@@ -81,7 +85,8 @@ def calibrate(
     """(route, median microseconds of each backend): one step of kind.step on
     a bfloat16 cache, float32 queries (a widened model's), `reps` timed calls
     each after a warm-up, alternated."""
-    assert set(backends) == set(kind.routes), f"backends {sorted(backends)}"
+    default = kind.routes[0]
+    assert default in backends and set(backends) <= set(kind.routes), f"backends {sorted(backends)}"
     batch = make_batch(
         list(kind.step),
         block_size=16,
@@ -106,8 +111,8 @@ def calibrate(
             if i:
                 runs[name].append(clock() - start)
     median = {name: sorted(r)[reps // 2] for name, r in runs.items()}
-    default, bf16 = kind.routes
-    route = bf16 if median[bf16] * BF16_MARGIN < median[default] else default
+    best = min((name for name in backends if name != default), key=median.__getitem__)
+    route = best if median[best] * BF16_MARGIN < median[default] else default
     return route, {name: round(t * 1e6, 1) for name, t in median.items()}
 
 
@@ -118,37 +123,40 @@ def _backend(kind: _Kind, route: str) -> CpuAttentionBackend:
     return CpuAttentionBackend(decode, prefill, decode_route=route)
 
 
-def measure(kind: _Kind, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
-    """The route for this model's attention shape on this machine: stored in
-    the kernel cache by the first start, measured then; logged."""
+def measure(kind: _Kind, candidates: tuple[str, ...], num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """The route among the float32 default and `candidates` for this model's
+    attention shape on this machine: stored in the kernel cache by the first
+    start, measured then; logged."""
+    routes = (kind.routes[0], *candidates)
     key = machine_key(
         kind.source,
-        version=1,  # of this key and of calibrate's method
+        version=2,  # of this key and of calibrate's method
         kind=kind.name,
         shape=[num_heads, num_kv_heads, head_dim],
         step=[list(p) for p in kind.step],
-        candidates=list(kind.routes),
+        candidates=list(routes),
         margin=BF16_MARGIN,
     )
 
     def timed():
-        backends = {name: _backend(kind, name) for name in kind.routes}
+        backends = {name: _backend(kind, name) for name in routes}
         route, times = calibrate(kind, backends, num_heads, num_kv_heads, head_dim)
         return ((1, route),), {"1": times}
 
-    routes, times_us, source = stored_or_measured(key, timed)
-    route = routes[0][1]
+    stored, times_us, source = stored_or_measured(key, timed)
+    route = stored[0][1]
     log.info(f"{kind.name}_attention_timed", route=route, source=source, median_us=times_us.get("1", {}))
     return route
 
 
 def _choose(
-    kind: _Kind, option: str, backend, kv_dtype, model_dtype, missing: Callable[[], str | None], shape
+    kind: _Kind, option: str, backend, kv_dtype, model_dtype, available: Callable[[], tuple[str, ...] | str], shape
 ) -> tuple[str, str]:
     """(route, why) for one kind: the option as given, the float32 default
-    where the choice cannot matter or the bf16 candidate is `missing()` (a
-    reason; asked last, since it may build a kernel), or measured."""
-    default, bf16 = kind.routes
+    where the choice cannot matter or no bf16 candidate is `available()` (it
+    returns the candidates, or why there are none; asked last, since it may
+    build a kernel), or measured among them."""
+    default = kind.routes[0]
     if kv_dtype != torch.bfloat16:
         return default, "float32 cache"
     if option != "auto":
@@ -157,10 +165,10 @@ def _choose(
         return default, "deterministic"
     if model_dtype != torch.bfloat16:  # a float32 model asked for float32 arithmetic over its bf16 cache
         return default, "float32 model"
-    reason = missing()
-    if reason is not None:
-        return default, reason
-    return measure(kind, *shape), "timed"
+    candidates = available()
+    if isinstance(candidates, str):
+        return default, candidates
+    return measure(kind, candidates, *shape), "timed"
 
 
 def apply(
@@ -192,27 +200,32 @@ def apply(
         return
     shape = (num_heads, num_kv_heads, head_dim)
 
-    def prefill_missing() -> str | None:
+    def prefill_available() -> tuple[str, ...] | str:
         if not fast_bf16:
             return "no native bf16"
-        return "no prefill kernel (SDPA for every prefill)" if native_kernel.load_prefill() is None else None
+        if native_kernel.load_prefill() is None:
+            return "no prefill kernel (SDPA for every prefill)"
+        dot = native_kernel.dot_native() and native_kernel.dot_supported(*shape)
+        return ("sdpa", "dot") if dot else ("sdpa",)
 
-    def decode_missing() -> str | None:
+    def decode_available() -> tuple[str, ...] | str:
         if not native_kernel.dot_native():
             return "no AVX512-BF16"
-        return None if native_kernel.dot_supported(*shape) else "no bf16 dot instance for this shape"
+        return ("dot",) if native_kernel.dot_supported(*shape) else "no bf16 dot instance for this shape"
 
-    route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, model_dtype, prefill_missing, shape)
+    for flag, option in (("--prefill-attention", prefill_option), ("--decode-attention", decode_option)):
+        ok = native_kernel.dot_supported(*shape) and (flag == "--decode-attention" or native_kernel.load_prefill())
+        if option == "dot" and kv_dtype == torch.bfloat16 and not ok:
+            raise ValueError(
+                f"{flag} dot: the kernel has no bf16 dot path for {num_heads} query heads over {num_kv_heads} KV "
+                f"heads of {head_dim} (it needs AVX-512BW, head_dim 64 or 128, at most 8 query heads per KV head)"
+            )
+    route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, model_dtype, prefill_available, shape)
     backend.use_prefill_route(route)
-    log.info("prefill_attention_route", route=route, why=why)
+    emulated = route == "dot" and not native_kernel.dot_native()
+    log.info("prefill_attention_route", route=route, why=why, **({"emulated": True} if emulated else {}))
 
-    if decode_option == "dot" and kv_dtype == torch.bfloat16 and not native_kernel.dot_supported(*shape):
-        raise ValueError(
-            f"--decode-attention dot: the decode kernel has no bf16 dot path for {num_heads} query heads over "
-            f"{num_kv_heads} KV heads of {head_dim} (it needs AVX-512BW, head_dim 64 or 128, at most 8 query "
-            "heads per KV head)"
-        )
-    route, why = _choose(DECODE, decode_option, backend, kv_dtype, model_dtype, decode_missing, shape)
+    route, why = _choose(DECODE, decode_option, backend, kv_dtype, model_dtype, decode_available, shape)
     backend.use_decode_route(route)
     emulated = route == "dot" and not native_kernel.dot_native()
     log.info("decode_attention_route", route=route, why=why, **({"emulated": True} if emulated else {}))

@@ -24,9 +24,14 @@
  * which only the chunks crossing the diagonal need. The queries go into
  * lanes, and the outputs back into rows, as 16 x 16 register transposes.
  *
+ * Over a bfloat16 cache, the bits PREFILL_DOT / PREFILL_DOT_EMULATED of
+ * `cache_bf16` run both products as bf16 dot products instead (prefill_dot.h:
+ * queries and probabilities rounded to bf16).
+ *
  * Returns 0; -1 if this build has no AVX-512 path or the shape has no
  * instance (the caller then keeps SDPA); -2 if scratch allocation failed;
- * -3 if an item has no tokens or more than QB (nothing is written then).
+ * -3 if an item has no tokens or more than QB (nothing is written then);
+ * -4 if the dot product was asked for where this build or CPU has none.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +39,11 @@
 #include <string.h>
 
 #define QB 16 /* query tokens per work item */
+/* paged_prefill_attention's `cache_bf16` bits: a bfloat16 cache, and over it
+ * the bf16 dot product (VDPBF16PS, or its emulation) instead of widening. */
+#define PREFILL_BF16 1
+#define PREFILL_DOT 2
+#define PREFILL_DOT_EMULATED 4
 #define MAX_G 8 /* query heads per KV head */
 #define MAX_ROWS (QB * MAX_G)
 
@@ -42,6 +52,7 @@ int paged_prefill_tokens_per_item(void) { return QB; }
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "../../native/bf16.h"
 #include "../../native/exp512.h"
 
 #define CHUNK 16
@@ -98,33 +109,46 @@ static inline __attribute__((always_inline)) void chunk_scores(const int D, cons
     }
 }
 
-/* One key chunk against one group of 16 query rows (rows in lanes).
- * k, v: the chunk's 16 rows of this KV head, as float32 (stride D).
- * pos: each lane's position; keys k0 .. k0+15; masked: the chunk crosses
- * the diagonal of some lane. Updates m, l (in registers of the caller via
- * pointers) and ot[d] (vectors of this row group, stride rv). */
-static inline __attribute__((always_inline)) void chunk_group(
-    const int D, const __m512 *scores, const float *v, int64_t v_stride,
-    float *ot, int rv, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
+/* The online softmax of one key chunk for one group of 16 query rows (rows
+ * in lanes): scores[j] for keys k0 .. k0+15, pos each lane's position,
+ * masked if the chunk crosses the diagonal of some lane. Writes the chunk's
+ * probabilities p[j] (rounded to bfloat16 with `round`, for the dot kernel;
+ * l then sums the rounded values), updates m and l, and returns alpha, the
+ * factor that rescales what was accumulated before. */
+static inline __attribute__((always_inline)) __m512 chunk_softmax(const __m512 *scores, __m512 pos, int k0,
+                                                                  int masked, const int round, __m512 *m, __m512 *l,
+                                                                  __m512 *p)
 {
-    __m512 s[CHUNK];
-    for (int j = 0; j < CHUNK; j++) s[j] = scores[j];
     __mmask16 valid[CHUNK];
     __m512 m_new = *m;
     for (int j = 0; j < CHUNK; j++) {
         valid[j] = masked ? _mm512_cmp_ps_mask(pos, _mm512_set1_ps((float)(k0 + j)), _CMP_GE_OQ) : (__mmask16)0xFFFF;
-        m_new = _mm512_mask_max_ps(m_new, valid[j], m_new, s[j]);
+        m_new = _mm512_mask_max_ps(m_new, valid[j], m_new, scores[j]);
     }
     /* m = -inf before the first chunk: alpha = e^-87 then scales zeros. */
     const __m512 alpha = exp512(_mm512_sub_ps(*m, m_new));
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < CHUNK; j++) {
-        s[j] = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(s[j], m_new)));
-        sum = _mm512_add_ps(sum, s[j]);
+        p[j] = _mm512_maskz_mov_ps(valid[j], exp512(_mm512_sub_ps(scores[j], m_new)));
+        if (round)
+            p[j] = bf16_rounded(p[j]);
+        sum = _mm512_add_ps(sum, p[j]);
     }
     *l = _mm512_fmadd_ps(*l, alpha, sum);
     *m = m_new;
-    /* ot[d] = ot[d] * alpha + sum_j p[j] * V[j][d], 8 d's at a time in registers. */
+    return alpha;
+}
+
+/* One key chunk against one group of 16 query rows in float32: the softmax,
+ * then ot[d] (vectors of this row group, stride rv) = ot[d] * alpha +
+ * sum_j p[j] * V[j][d]. v: the chunk's 16 rows of this KV head (stride D). */
+static inline __attribute__((always_inline)) void chunk_group(
+    const int D, const __m512 *scores, const float *v, int64_t v_stride,
+    float *ot, int rv, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
+{
+    __m512 s[CHUNK];
+    const __m512 alpha = chunk_softmax(scores, pos, k0, masked, 0, m, l, s);
+    /* 8 d's at a time in registers. */
     for (int d0 = 0; d0 < D; d0 += 8) {
         __m512 acc[8];
         for (int dd = 0; dd < 8; dd++) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv), alpha);
@@ -153,6 +177,41 @@ static inline void copy_rows(float *dst, const float *cache, const int64_t *rows
     for (int j = 0; j < CHUNK; j++)
         for (int d = 0; d < D; d += 16)
             _mm512_storeu_ps(dst + j * D + d, _mm512_loadu_ps(cache + rows[j] + off + d));
+}
+
+/* An item's running max, sum and lane positions, per group of 16 rows. */
+static inline void item_positions(int rows, int groups, int count, int pos0, int G, __m512 *m, __m512 *l, __m512 *pos)
+{
+    for (int g = 0; g < groups; g++) {
+        m[g] = _mm512_set1_ps(-INFINITY);
+        l[g] = _mm512_setzero_ps();
+        float p[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = g * 16 + i;
+            p[i] = (float)(pos0 + (r < rows ? r / G : count - 1)); /* padding rows copy the last token */
+        }
+        pos[g] = _mm512_loadu_ps(p);
+    }
+}
+
+/* out = ot / l, transposed back (lanes into rows) 16 x 16 at a time. */
+static inline __attribute__((always_inline)) void store_rows(const int D, float *out, int64_t out_tok,
+                                                             int64_t out_head, const float *ot, int rv,
+                                                             const __m512 *l, int rows, int groups, int kv, int G)
+{
+    for (int g = 0; g < groups; g++) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 t[16];
+            for (int j = 0; j < 16; j++)
+                t[j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + j) * rv + g * 16), inv);
+            transpose16(t);
+            for (int i = 0; i < 16 && g * 16 + i < rows; i++) {
+                const int r = g * 16 + i;
+                _mm512_storeu_ps(out + (int64_t)(r / G) * out_tok + (int64_t)(kv * G + r % G) * out_head + d0, t[i]);
+            }
+        }
+    }
 }
 
 /* One work item: query tokens first_token .. +count-1 at positions pos0 ..,
@@ -184,16 +243,7 @@ static inline __attribute__((always_inline)) void prefill_item(
     }
     memset(ot, 0, sizeof(float) * (size_t)D * rv);
     __m512 m[MAX_ROWS / 16], l[MAX_ROWS / 16], pos[MAX_ROWS / 16];
-    for (int g = 0; g < groups; g++) {
-        m[g] = _mm512_set1_ps(-INFINITY);
-        l[g] = _mm512_setzero_ps();
-        float p[16];
-        for (int i = 0; i < 16; i++) {
-            const int r = g * 16 + i;
-            p[i] = (float)(pos0 + (r < rows ? r / G : count - 1)); /* padding rows copy the last token */
-        }
-        pos[g] = _mm512_loadu_ps(p);
-    }
+    item_positions(rows, groups, count, pos0, G, m, l, pos);
     const int len = pos0 + count; /* keys 0 .. last query position */
     const int64_t off = (int64_t)kv * D;
     int64_t krows[CHUNK];
@@ -226,20 +276,7 @@ static inline __attribute__((always_inline)) void prefill_item(
             }
         }
     }
-    /* out = ot / l, transposed back (lanes into rows) 16 x 16 at a time. */
-    for (int g = 0; g < groups; g++) {
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
-        for (int d0 = 0; d0 < D; d0 += 16) {
-            __m512 t[16];
-            for (int j = 0; j < 16; j++)
-                t[j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + j) * rv + g * 16), inv);
-            transpose16(t);
-            for (int i = 0; i < 16 && g * 16 + i < rows; i++) {
-                const int r = g * 16 + i;
-                _mm512_storeu_ps(out + (int64_t)(r / G) * out_tok + (int64_t)(kv * G + r % G) * out_head + d0, t[i]);
-            }
-        }
-    }
+    store_rows(D, out, out_tok, out_head, ot, rv, l, rows, groups, kv, G);
 }
 
 static void item_64(float *o, int64_t ot, int64_t oh, const float *q, int64_t qt, int64_t qh, const void *k,
@@ -254,6 +291,51 @@ static void item_128(float *o, int64_t ot, int64_t oh, const float *q, int64_t q
                      float sc, float *s)
 {
     prefill_item(128, o, ot, oh, q, qt, qh, k, v, bf, tb, bs, rl, c, p, kv, G, sc, s);
+}
+
+typedef void (*item_fn)(float *, int64_t, int64_t, const float *, int64_t, int64_t, const void *, const void *,
+                        const int32_t *, int, int64_t, int, int, int, int, float, float *);
+
+/* The bf16 dot-product items (prefill_dot.h), emulated and with VDPBF16PS
+ * where the compiler has it (as paged_decode.c's). Their V interleave needs
+ * AVX-512BW, which every CPU with AVX512-BF16 has. */
+#if defined(__AVX512BW__)
+#define HAVE_DOT 1
+#include "../../native/bf16_dot.h"
+#define DOT_NAME(x) x##_dot_emulated
+#define DOT_TARGET
+#define DOT(acc, a, b) dot_emulated(acc, a, b)
+#include "prefill_dot.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define HAVE_NATIVE_DOT 1
+#define DOT_NAME(x) x##_dot_native
+#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
+#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#include "prefill_dot.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#endif
+#endif
+
+/* The dot item function for `flags` and head_dim, or NULL where this build or CPU has none. */
+static item_fn dot_item(int flags, int head_dim)
+{
+#ifdef HAVE_NATIVE_DOT
+    if (flags & PREFILL_DOT)
+        return __builtin_cpu_supports("avx512bf16") ? (head_dim == 64 ? item_64_dot_native : item_128_dot_native)
+                                                    : NULL;
+#endif
+#ifdef HAVE_DOT
+    if (flags & PREFILL_DOT_EMULATED)
+        return head_dim == 64 ? item_64_dot_emulated : item_128_dot_emulated;
+#endif
+    (void)flags;
+    (void)head_dim;
+    return NULL;
 }
 
 #endif /* AVX-512 */
@@ -278,6 +360,10 @@ int paged_prefill_attention(
     for (int i = 0; i < num_items; i++)
         if (item_count[i] < 1 || item_count[i] > QB)
             return -3;
+    const int dot = cache_bf16 & (PREFILL_DOT | PREFILL_DOT_EMULATED);
+    const item_fn dot_fn = dot && (cache_bf16 & PREFILL_BF16) ? dot_item(cache_bf16, head_dim) : NULL;
+    if (dot && dot_fn == NULL)
+        return -4;
     const int64_t row_len = (int64_t)num_kv_heads * head_dim;
     const size_t scratch_floats = 2 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
     int failed = 0;
@@ -294,6 +380,12 @@ int paged_prefill_attention(
                 continue;
             const int i = (int)(w / num_kv_heads), kv = (int)(w % num_kv_heads);
             const int32_t *table = block_tables + (int64_t)item_seq[i] * block_table_stride;
+            if (dot_fn != NULL) {
+                dot_fn(out + item_token[i] * out_tok_stride, out_tok_stride, out_head_stride,
+                       q + item_token[i] * q_tok_stride, q_tok_stride, q_head_stride, k_cache, v_cache, table,
+                       block_size, row_len, item_count[i], item_pos[i], kv, G, scale, scratch);
+                continue;
+            }
             (head_dim == 64 ? item_64 : item_128)(
                 out + item_token[i] * out_tok_stride, out_tok_stride, out_head_stride,
                 q + item_token[i] * q_tok_stride, q_tok_stride, q_head_stride, k_cache, v_cache, cache_bf16, table,

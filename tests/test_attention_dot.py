@@ -1,9 +1,10 @@
-"""The decode kernel's bf16 dot-product path (attention/native/decode_dot.h,
-route "dot"): raw bfloat16 K/V pairs through VDPBF16PS, or its emulation in
-AVX-512F on CPUs without AVX512-BF16, which is what runs here unless the
-CPU has the instruction. Checked against float64 attention over the same
-bf16-rounded queries: the only further error is the softmax probabilities'
-rounding to bf16 (relative 2^-9 each) and float32 sums."""
+"""The attention kernels' bf16 dot-product paths (route "dot": decodes in
+attention/native/decode_dot.h, prefills in prefill_dot.h): raw bfloat16 K/V
+pairs through VDPBF16PS, or its emulation in AVX-512F on CPUs without
+AVX512-BF16, which is what runs here unless the CPU has the instruction.
+Checked against float64 attention over the same bf16-rounded queries: the
+only further error is the softmax probabilities' rounding to bf16
+(relative 2^-9 each) and float32 sums."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(0, 1), (14, 1), (15, 1), (16, 1), (40, 1), (100, 1), (257, 1)]
 
 
-def backend(route: str, dot_native: bool | None = None) -> CpuAttentionBackend:
-    return CpuAttentionBackend(native_kernel.load(), decode_route=route, dot_native=dot_native)
+def backend(route: str, dot_native: bool | None = None, prefill: str = "native") -> CpuAttentionBackend:
+    return CpuAttentionBackend(
+        native_kernel.load(),
+        native_kernel.load_prefill(),
+        decode_route=route,
+        prefill_route=prefill,
+        dot_native=dot_native,
+    )
 
 
 def batch_for(head_dim: int, group: int, block_size: int = 16, float_queries: bool = True, seed: int = 0):
@@ -153,3 +160,87 @@ def test_vdpbf16ps_agrees_with_its_emulation(head_dim, group):
     assert (native.double() - emulated.double()).abs().max().item() <= 2.0**-7 * vmax
     err = (native.double() - rounded_query_reference(batch)).abs().max().item()
     assert err <= 2.0**-8 * vmax + 1e-5
+
+
+# Prefills: fresh prompts, a chunk continuing a cached one (its first rows
+# near the diagonal of an earlier chunk), lengths that end mid-chunk, and
+# decodes beside them (the decode route's, "widen" here).
+PREFILL_SHAPES = [(0, 37), (0, 70), (40, 29), (0, 1), (250, 17), (55, 1)]
+
+
+def prefill_batch(head_dim: int, group: int, block_size: int = 16, seed: int = 0):
+    batch = make_batch(
+        PREFILL_SHAPES, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=torch.bfloat16,
+        seed=seed,
+    )  # fmt: skip
+    query = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    return dataclasses.replace(batch, query=query)
+
+
+def prefill(route: str, batch, **kw) -> torch.Tensor:
+    fresh = dataclasses.replace(
+        batch,
+        meta=dataclasses.replace(batch.meta, extra={}),
+        k_cache=batch.k_cache.clone(),
+        v_cache=batch.v_cache.clone(),
+    )
+    return run_step(backend("widen", prefill=route, **kw), fresh)
+
+
+def prefill_rows(batch) -> torch.Tensor:
+    starts = batch.meta.query_start_loc.tolist()
+    return torch.tensor(
+        [t for i, n in enumerate(batch.meta.query_lens_cpu) if n > 1 for t in range(starts[i], starts[i + 1])]
+    )
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (128, 2), (128, 8)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_dot_prefills_are_attention_within_the_probabilities_rounding(head_dim, group, block_size):
+    """As the decode path's bound: |error| <= 2^-8 max|V| against float64 over
+    the rounded queries; the kernel's float32 route stays within float32
+    rounding of the unrounded queries' result; decodes are untouched."""
+    batch = prefill_batch(head_dim, group, block_size, seed=head_dim + group + block_size)
+    dot, native = prefill("dot", batch), prefill("native", batch)
+    rows = prefill_rows(batch)
+    vmax = max(v.abs().max().item() for v in batch.values)
+    err = (dot.double() - rounded_query_reference(batch))[rows].abs().max().item()
+    assert err <= 2.0**-8 * vmax + 1e-5, f"{err} against a bound of {2.0**-8 * vmax}"
+    assert (native.double() - batch.expected(torch.float64)).abs().max().item() < 1e-4
+    assert not torch.equal(dot[rows], native[rows]), "the bf16 rounding should show"
+    others = torch.tensor([t for t in range(batch.query.shape[0]) if t not in set(rows.tolist())])
+    assert torch.equal(dot[others], native[others])
+
+
+def test_prefill_dims_come_back_in_order():
+    """V rows that are their dims' indices give the indices back exactly (the
+    interleaved V pairs and their un-permute)."""
+    batch = prefill_batch(128, 3, seed=4)
+    index = torch.arange(128, dtype=torch.float32).to(torch.bfloat16)
+    batch.v_cache[:] = index
+    values = [torch.zeros_like(v) + index for v in batch.values]
+    batch = dataclasses.replace(batch, values=values, new_value=torch.zeros_like(batch.new_value) + index)
+    out = prefill("dot", batch)
+    torch.testing.assert_close(out, index.float().expand_as(out), rtol=2.0**-8, atol=0)
+
+
+def test_the_prefill_dot_path_is_refused_where_it_has_no_instance():
+    """head_dim 32 has no prefill instance at all (the float32 route falls
+    back to SDPA there; the dot route must not), and VDPBF16PS asked for on a
+    CPU without it. A float32 cache keeps the float32 kernel."""
+    small = make_batch([(0, 20)], block_size=16, num_kv_heads=1, group=2, head_dim=32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="prefill route 'dot': the prefill kernel has no bf16 dot path"):
+        run_step(backend("widen", prefill="dot"), small)
+    if not native_kernel.dot_native():
+        with pytest.raises(RuntimeError, match="no bf16 dot path"):
+            prefill("dot", prefill_batch(64, 3), dot_native=True)
+    f32 = make_batch([(10, 30)], block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
+    assert torch.equal(run_step(backend("widen", prefill="dot"), f32), run_step(backend("widen"), f32))
+
+
+@pytest.mark.skipif(not native_kernel.dot_native(), reason="needs AVX512-BF16")
+def test_prefill_vdpbf16ps_agrees_with_its_emulation():
+    batch = prefill_batch(64, 3, seed=12)
+    native, emulated = prefill("dot", batch, dot_native=True), prefill("dot", batch, dot_native=False)
+    vmax = max(v.abs().max().item() for v in batch.values)
+    assert (native.double() - emulated.double()).abs().max().item() <= 2.0**-7 * vmax
