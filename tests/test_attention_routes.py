@@ -132,9 +132,15 @@ def test_the_fastest_of_several_candidates_is_kept():
 
 
 def test_the_real_candidates_time_and_name_a_route():
-    kinds = (routes.PREFILL, routes.DECODE) if native_kernel.dot_supported(6, 2, 64) else (routes.PREFILL,)
-    for kind in kinds:
-        backends = {name: routes._backend(kind, name) for name in kind.routes}
+    dot = {
+        routes.PREFILL: native_kernel.prefill_dot_supported(6, 2, 64),
+        routes.DECODE: native_kernel.dot_supported(6, 2, 64),
+    }
+    for kind in (routes.PREFILL, routes.DECODE):
+        names = [name for name in kind.routes if name != "dot" or dot[kind]]
+        if len(names) < 2:
+            continue
+        backends = {name: routes._backend(kind, name) for name in names}
         route, times = routes.calibrate(kind, backends, 6, 2, 64, reps=1)
         assert route in kind.routes and set(times) == set(kind.routes) and min(times.values()) > 0
 
@@ -154,6 +160,7 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     dot_native = [True]
     # The kernel's dot instances as on any AVX-512BW build, whatever this CPU has.
     monkeypatch.setattr(native_kernel, "dot_supported", lambda heads, kv_heads, dim: dim in (64, 128))
+    monkeypatch.setattr(native_kernel, "prefill_dot_supported", lambda heads, kv_heads, dim: dim in (64, 128))
 
     def apply(
         prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64), model=None
@@ -201,6 +208,23 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
         apply("native", "dot", shape=(2, 2, 32))
 
 
+def test_auto_never_builds_the_dot_kernels_where_bf16_is_emulated(monkeypatch):
+    """The decode kernel's dot build doubles its compile time: a start on a
+    CPU without AVX512-BF16 and without an explicit "dot" must not pay it."""
+    monkeypatch.setattr(native_kernel, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw"}))
+    monkeypatch.setattr(native_kernel, "_dot_library", lambda: pytest.fail("the dot build was compiled"))
+    native_kernel.dot_native.cache_clear()
+    try:
+        for kv_dtype, model_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
+            for fast_bf16 in (False, True):  # AMX without AVX512-BF16: SDPA may still be timed
+                target = backend()
+                monkeypatch.setattr(routes, "measure", lambda kind, candidates, *shape: kind.routes[0])
+                routes.apply("auto", "auto", target, kv_dtype, model_dtype, fast_bf16, 9, 3, 64)
+                assert (target.prefill_route, target.decode_route) == ("native", "widen")
+    finally:
+        native_kernel.dot_native.cache_clear()
+
+
 def test_measure_is_stored_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
@@ -216,7 +240,7 @@ def test_measure_is_stored_and_reused(tmp_path, monkeypatch):
     assert routes.measure(routes.DECODE, ("dot",), 6, 2, 64) == "dot" and len(calls) == 4
 
 
-def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
+def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path, monkeypatch):
     """--prefill-attention sdpa and dot reach the model's layers: the
     prefill's logits move by bf16 rounding, no more."""
     from model_utils import PagedEngine, save_tiny_hf_model
@@ -225,17 +249,22 @@ def test_a_bf16_worker_serves_prefills_through_the_forced_route(tmp_path):
 
     from executor_svc.worker import Worker
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no stored routes of the user's
     save_tiny_hf_model("llama_tied", str(tmp_path), head_dim=64)
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     logits = {}
-    for route in PREFILL_ROUTES:
-        w = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, prefill_attention=route))
+    names = [r for r in PREFILL_ROUTES if r != "dot" or native_kernel.prefill_dot_supported(4, 2, 64)]
+    for route in names:
+        config = ExecutorConfig(
+            model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, prefill_attention=route, decode_attention="widen"
+        )
+        w = Worker(config)
         assert w.attn_backend.prefill_route == route
         engine = PagedEngine(w.model, num_blocks=16, block_size=16)
         prompt = list(range(3, 60))
         logits[route] = engine.step([(engine.add(prompt), len(prompt))])[0]
     scale = logits["native"].abs().max().item()
-    for bf16_route in ("sdpa", "dot"):
+    for bf16_route in names[1:]:
         assert not torch.equal(logits[bf16_route], logits["native"])
         torch.testing.assert_close(logits[bf16_route], logits["native"], rtol=0, atol=0.05 * scale)
 

@@ -301,6 +301,8 @@ class CpuAttentionBackend:
         kernel; returns the prefill query rows, or None (nothing written)
         where there is no kernel or it has no path for this shape or CPU."""
         if items is None:
+            if flags & (_PREFILL_DOT | _PREFILL_DOT_EMULATED):
+                raise RuntimeError("prefill route 'dot' needs the native prefill kernel, which is not built here")
             return None
         status = self._prefill_kernel.attend(
             target.data_ptr(),

@@ -65,6 +65,7 @@ def dot_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 class PrefillKernel:
     attend: ctypes._CFuncPtr  # paged_prefill_attention(...), signature in native_signatures.py
     tokens_per_item: int  # the most query tokens one work item may carry
+    dot_built: bool  # the bf16 dot-product items (prefill_dot.h) are in this build
 
 
 @lru_cache(maxsize=1)
@@ -74,4 +75,14 @@ def load_prefill() -> PrefillKernel | None:
     lib = load_library(PREFILL_SOURCE)
     if lib is None:
         return None
-    return PrefillKernel(lib.paged_prefill_attention, lib.paged_prefill_tokens_per_item())
+    return PrefillKernel(
+        lib.paged_prefill_attention, lib.paged_prefill_tokens_per_item(), lib.paged_prefill_dot_built() == 1
+    )
+
+
+def prefill_dot_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the prefill kernel has bf16 dot items (native or emulated) for
+    this attention shape: built (AVX-512BW), and one of its float32 ones."""
+    kernel = load_prefill()
+    group = num_heads // num_kv_heads
+    return kernel is not None and kernel.dot_built and 1 <= group <= 8 and head_dim in (64, 128)

@@ -205,7 +205,7 @@ def apply(
             return "no native bf16"
         if native_kernel.load_prefill() is None:
             return "no prefill kernel (SDPA for every prefill)"
-        dot = native_kernel.dot_native() and native_kernel.dot_supported(*shape)
+        dot = native_kernel.dot_native() and native_kernel.prefill_dot_supported(*shape)
         return ("sdpa", "dot") if dot else ("sdpa",)
 
     def decode_available() -> tuple[str, ...] | str:
@@ -213,9 +213,12 @@ def apply(
             return "no AVX512-BF16"
         return ("dot",) if native_kernel.dot_supported(*shape) else "no bf16 dot instance for this shape"
 
-    for flag, option in (("--prefill-attention", prefill_option), ("--decode-attention", decode_option)):
-        ok = native_kernel.dot_supported(*shape) and (flag == "--decode-attention" or native_kernel.load_prefill())
-        if option == "dot" and kv_dtype == torch.bfloat16 and not ok:
+    for flag, option, supported in (
+        ("--prefill-attention", prefill_option, native_kernel.prefill_dot_supported),
+        ("--decode-attention", decode_option, native_kernel.dot_supported),
+    ):
+        # Asked only for an explicit dot: answering builds the kernel's dot variant.
+        if option == "dot" and kv_dtype == torch.bfloat16 and not supported(*shape):
             raise ValueError(
                 f"{flag} dot: the kernel has no bf16 dot path for {num_heads} query heads over {num_kv_heads} KV "
                 f"heads of {head_dim} (it needs AVX-512BW, head_dim 64 or 128, at most 8 query heads per KV head)"

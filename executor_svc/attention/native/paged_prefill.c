@@ -340,6 +340,16 @@ static item_fn dot_item(int flags, int head_dim)
 
 #endif /* AVX-512 */
 
+/* 1 where this build has the bf16 dot-product items (AVX-512BW). */
+int paged_prefill_dot_built(void)
+{
+#if defined(__AVX512F__) && defined(HAVE_DOT)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Item i: query rows item_token[i] .. + item_count[i] - 1 (<= QB), at
  * positions item_pos[i] .., of the request in block-table row item_seq[i];
  * its K/V (positions 0 .. item_pos[i] + item_count[i] - 1) are in the cache. */
