@@ -29,7 +29,9 @@ import platform
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -114,27 +116,46 @@ def _unavailable(stem: str, reason: str, stderr: str = "") -> None:
     log.warning("native_build_unavailable", source=stem, reason=reason, **({"stderr": stderr} if stderr else {}))
 
 
-def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled `source` as a loaded library with its declared functions
-    bound (native_signatures.py), or None if it cannot be built here (a
-    NativeBuildError under PAGEDSERVE_NATIVE=require)."""
-    flags = [*FLAGS, *extra_flags]
-    stem = os.path.splitext(os.path.basename(source))[0]
+def _build(source: str, extra_flags: tuple[str, ...]) -> tuple[str | None, str, str]:
+    """(path of the built library or None, why not, the compiler's stderr):
+    compiled into the cache unless a build of this key is there."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        return _unavailable(stem, "no C compiler on PATH")
+        return None, "no C compiler on PATH", ""
+    stem = os.path.splitext(os.path.basename(source))[0]
     key = build_key(source, extra_flags)
     try:
         folder = ensure_private_dir(cache_dir())
     except OSError as e:  # NotPrivateError is one: owned by another user, or open to others
-        return _unavailable(stem, f"kernel cache refused: {e}")
+        return None, f"kernel cache refused: {e}", ""
     lib_path = os.path.join(folder, f"{stem}-{key}.so")
     if not os.path.exists(lib_path):
-        tmp = f"{lib_path}.{os.getpid()}.tmp"
+        tmp = f"{lib_path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        flags = [*FLAGS, *extra_flags]
         done = subprocess.run([compiler, *flags, source, "-o", tmp, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            return _unavailable(stem, "compile failed", done.stderr[-2000:])
+            return None, "compile failed", done.stderr[-2000:]
         os.replace(tmp, lib_path)  # atomic: concurrent builders never load a half-written file
+    return lib_path, "", ""
+
+
+def prebuild(sources: Iterable[str]) -> None:
+    """Compiles the sources not yet in the cache side by side, one compiler
+    per core, so that a first start waits for the slowest build instead of
+    their sum; load_library then finds them built. Failures are left for
+    load_library to report when its caller asks."""
+    todo = list(sources)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda source: _build(source, ()), todo))
+
+
+def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `source` as a loaded library with its declared functions
+    bound (native_signatures.py), or None if it cannot be built here (a
+    NativeBuildError under PAGEDSERVE_NATIVE=require)."""
+    lib_path, reason, stderr = _build(source, extra_flags)
+    if lib_path is None:
+        return _unavailable(os.path.splitext(os.path.basename(source))[0], reason, stderr)
     lib = ctypes.CDLL(lib_path)
     key = os.path.relpath(os.path.abspath(source), _PACKAGE_DIR)
     return bind(lib, key) if key in SIGNATURES else lib

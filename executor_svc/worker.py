@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from executor_svc import fused_ops, onednn_linear, packed_linear
-from executor_svc.attention import get_backend, routes
+from executor_svc import decoder_stack, fused_ops, native_build, onednn_linear, packed_linear
+from executor_svc.attention import get_backend, native_kernel, routes
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from executor_svc.memory_profile import cuda_kv_budget
@@ -162,6 +162,18 @@ class Worker:
             raise ValueError("--kv-cache-dtype different from --dtype is supported by the cpu and torch backends only")
         if config.deterministic and self.device.type == "cuda":
             check_deterministic_cuda(backend, self.tp_size)
+        if self.device.type == "cpu":
+            # A first start compiles the kernels side by side (the decode kernel alone takes ~25 s).
+            native_build.prebuild(
+                [
+                    native_kernel.SOURCE,
+                    native_kernel.PREFILL_SOURCE,
+                    packed_linear.SOURCE,
+                    fused_ops.SOURCE,
+                    fused_ops.BF16_SOURCE,
+                    decoder_stack.SOURCE,
+                ]
+            )
         self.attn_backend = get_backend(backend, config.deterministic)
         if self.device.type == "cpu" and (config.num_threads or tp is not None):
             # Ranks on one host share its cores: by default each takes an equal

@@ -104,3 +104,31 @@ def test_a_failed_build_falls_back_or_raises_under_require(tmp_path, monkeypatch
             native_build.load_library(str(broken))
     else:
         assert native_build.load_library(str(broken)) is None
+
+
+def test_prebuild_compiles_side_by_side_and_load_library_finds_them(tmp_path, monkeypatch):
+    """A first start compiles every kernel at once (native_build.prebuild);
+    load_library then loads what is in the cache without compiling, and a
+    source that does not build is reported there, not by prebuild."""
+    from executor_svc import decoder_stack, fused_ops
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_build, "REQUIRED", True)
+    broken = tmp_path / "broken.c"
+    broken.write_text("int broken(void) { return }\n")
+    compiles = []
+    real_run = native_build.subprocess.run
+
+    def counting_run(cmd, **kw):
+        compiles.append(os.path.basename(cmd[-4]))
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(native_build.subprocess, "run", counting_run)
+    native_build.prebuild([fused_ops.SOURCE, decoder_stack.SOURCE, str(broken)])  # no exception: left for later
+    assert sorted(compiles) == ["broken.c", "decoder_stack.c", "fused_ops.c"]
+    assert len(glob.glob(str(tmp_path / "cache" / "pagedserve" / "native" / "*.so"))) == 2
+    assert native_build.load_library(fused_ops.SOURCE) is not None
+    assert native_build.load_library(decoder_stack.SOURCE) is not None
+    assert len(compiles) == 3, "load_library should have found both in the cache"
+    with pytest.raises(native_build.NativeBuildError, match="broken"):
+        native_build.load_library(str(broken))
