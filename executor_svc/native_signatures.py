@@ -73,6 +73,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "attention/native/paged_prefill.c": (
         "int paged_prefill_tokens_per_item(void)",
         "int paged_prefill_dot_built(void)",
+        "int paged_prefill_dot_native(void)",
         "int paged_prefill_attention(float *out, int64_t out_tok_stride, int64_t out_head_stride,"
         " const float *q, int64_t q_tok_stride, int64_t q_head_stride,"
         " const void *k_cache, const void *v_cache, int cache_bf16,"

@@ -161,6 +161,8 @@ def test_auto_measures_only_where_bf16_is_native(monkeypatch):
     # The kernel's dot instances as on any AVX-512BW build, whatever this CPU has.
     monkeypatch.setattr(native_kernel, "dot_supported", lambda heads, kv_heads, dim: dim in (64, 128))
     monkeypatch.setattr(native_kernel, "prefill_dot_supported", lambda heads, kv_heads, dim: dim in (64, 128))
+    with_dot = dataclasses.replace(native_kernel.load_prefill(), dot_native=True)  # as on a CPU with the instruction
+    monkeypatch.setattr(native_kernel, "load_prefill", lambda: with_dot)
 
     def apply(
         prefill, decode="widen", kv_dtype=torch.bfloat16, fast_bf16=True, target=None, shape=(6, 2, 64), model=None

@@ -86,7 +86,9 @@ class CpuAttentionBackend:
         self.prefill_route = route
         self._prefill_bf16_flags = _PREFILL_BF16
         if route == "dot":
-            native = native_kernel.dot_native() if self._dot_native is None else self._dot_native
+            native = self._dot_native
+            if native is None:  # what the prefill kernel's own build runs here
+                native = self._prefill_kernel is not None and self._prefill_kernel.dot_native
             self._prefill_bf16_flags |= _PREFILL_DOT if native else _PREFILL_DOT_EMULATED
 
     def use_decode_route(self, route: str) -> None:

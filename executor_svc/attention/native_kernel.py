@@ -66,6 +66,7 @@ class PrefillKernel:
     attend: ctypes._CFuncPtr  # paged_prefill_attention(...), signature in native_signatures.py
     tokens_per_item: int  # the most query tokens one work item may carry
     dot_built: bool  # the bf16 dot-product items (prefill_dot.h) are in this build
+    dot_native: bool  # and their VDPBF16PS instance runs on this CPU
 
 
 @lru_cache(maxsize=1)
@@ -76,7 +77,10 @@ def load_prefill() -> PrefillKernel | None:
     if lib is None:
         return None
     return PrefillKernel(
-        lib.paged_prefill_attention, lib.paged_prefill_tokens_per_item(), lib.paged_prefill_dot_built() == 1
+        lib.paged_prefill_attention,
+        lib.paged_prefill_tokens_per_item(),
+        lib.paged_prefill_dot_built() == 1,
+        lib.paged_prefill_dot_native() == 1,
     )
 
 

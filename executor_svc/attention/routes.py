@@ -205,7 +205,7 @@ def apply(
             return "no native bf16"
         if native_kernel.load_prefill() is None:
             return "no prefill kernel (SDPA for every prefill)"
-        dot = native_kernel.dot_native() and native_kernel.prefill_dot_supported(*shape)
+        dot = native_kernel.load_prefill().dot_native and native_kernel.prefill_dot_supported(*shape)
         return ("sdpa", "dot") if dot else ("sdpa",)
 
     def decode_available() -> tuple[str, ...] | str:
@@ -225,7 +225,7 @@ def apply(
             )
     route, why = _choose(PREFILL, prefill_option, backend, kv_dtype, model_dtype, prefill_available, shape)
     backend.use_prefill_route(route)
-    emulated = route == "dot" and not native_kernel.dot_native()
+    emulated = route == "dot" and not native_kernel.load_prefill().dot_native
     log.info("prefill_attention_route", route=route, why=why, **({"emulated": True} if emulated else {}))
 
     route, why = _choose(DECODE, decode_option, backend, kv_dtype, model_dtype, decode_available, shape)

@@ -350,6 +350,16 @@ int paged_prefill_dot_built(void)
 #endif
 }
 
+/* 1 where this build has the VDPBF16PS items and this CPU runs them. */
+int paged_prefill_dot_native(void)
+{
+#if defined(__AVX512F__) && defined(HAVE_NATIVE_DOT)
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
 /* Item i: query rows item_token[i] .. + item_count[i] - 1 (<= QB), at
  * positions item_pos[i] .., of the request in block-table row item_seq[i];
  * its K/V (positions 0 .. item_pos[i] + item_count[i] - 1) are in the cache. */
