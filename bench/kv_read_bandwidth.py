@@ -67,7 +67,8 @@ def baseline_backend(rev: str, folder: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.CpuAttentionBackend(bind(lib, "attention/native/paged_decode.c").paged_decode_attention)
+    kernel = bind(lib, "attention/native/paged_decode.c", ("paged_decode_attention",)).paged_decode_attention
+    return module.CpuAttentionBackend(kernel)
 
 
 def main(argv=None) -> None:

@@ -122,10 +122,13 @@ def ctype(c_type: str):
     return _CTYPES[c_type]
 
 
-def bind(lib: ctypes.CDLL, source: str) -> ctypes.CDLL:
-    """Sets argtypes and restype on every function `source` (a SIGNATURES key) declares."""
+def bind(lib: ctypes.CDLL, source: str, names: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Sets argtypes and restype on every function `source` (a SIGNATURES key)
+    declares, or on `names` only (an older build, which may lack the newer ones)."""
     for prototype in SIGNATURES[source]:
         sig = parse(prototype)
+        if names is not None and sig.name not in names:
+            continue
         fn = getattr(lib, sig.name)
         fn.argtypes = [ctype(t) for t, _ in sig.params]
         fn.restype = ctype(sig.result)
