@@ -48,14 +48,18 @@ def batch_for(head_dim: int, group: int, block_size: int = 16, float_queries: bo
     return batch
 
 
-def decode(route: str, batch, **kw) -> torch.Tensor:
-    fresh = dataclasses.replace(
+def fresh(batch):
+    """The batch with its own caches and an unprepared step, so routes run side by side."""
+    return dataclasses.replace(
         batch,
         meta=dataclasses.replace(batch.meta, extra={}),
         k_cache=batch.k_cache.clone(),
         v_cache=batch.v_cache.clone(),
     )
-    return run_step(backend(route, **kw), fresh)
+
+
+def decode(route: str, batch, **kw) -> torch.Tensor:
+    return run_step(backend(route, **kw), fresh(batch))
 
 
 def rounded_query_reference(batch) -> torch.Tensor:
@@ -178,13 +182,7 @@ def prefill_batch(head_dim: int, group: int, block_size: int = 16, seed: int = 0
 
 
 def prefill(route: str, batch, **kw) -> torch.Tensor:
-    fresh = dataclasses.replace(
-        batch,
-        meta=dataclasses.replace(batch.meta, extra={}),
-        k_cache=batch.k_cache.clone(),
-        v_cache=batch.v_cache.clone(),
-    )
-    return run_step(backend("widen", prefill=route, **kw), fresh)
+    return run_step(backend("widen", prefill=route, **kw), fresh(batch))
 
 
 def prefill_rows(batch) -> torch.Tensor:

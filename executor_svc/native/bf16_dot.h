@@ -25,4 +25,15 @@ static inline __attribute__((always_inline)) __m512 dot_emulated(__m512 acc, __m
                            _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
 }
 
+/* The index vectors that put 32 values back in order after
+ * _mm512_unpacklo_epi16 / unpackhi_epi16 interleaved two rows of them (within
+ * 128-bit lanes: "lo" holds positions 0-3, 8-11, 16-19, 24-27 of the 32,
+ * "hi" the rest): permutex2var(lo, unpack_order(0), hi) gives positions
+ * 0..15, unpack_order(1) 16..31. Both dot kernels pair rows this way. */
+static inline __m512i unpack_order(int second_half)
+{
+    return second_half ? _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)
+                       : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+
 #endif

@@ -118,8 +118,7 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
         next = swap;
     }
     /* Dims back in order: line c's "lo" holds 0-3, 8-11, 16-19, 24-27 in its 128-bit lanes, "hi" the rest. */
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i first = unpack_order(0), second = unpack_order(1);
     for (int hh = 0; hh < kv_count * G; hh++) {
         const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
         float *dst = out + (int64_t)(kv_first * G + hh) * out_head_stride;

@@ -107,8 +107,7 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(prefill_it
     const int64_t off = (int64_t)kv * D;
     /* vpair interleaves 32 dims of two V rows as unpacklo/hi_epi16 do, within
      * 128-bit lanes; these put each half back in order of d. */
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i first = unpack_order(0), second = unpack_order(1);
     int64_t krows[CHUNK];
     for (int k0 = 0; k0 < len; k0 += CHUNK) {
         chunk_rows(krows, table, k0, len, block_size, row_len);
