@@ -31,10 +31,10 @@ def tiny_model_dir(tmp_path_factory):
     return str(folder)
 
 
-def load(model_dir: str, dtype: str) -> Worker:
+def load(model_dir: str, dtype: str, **options) -> Worker:
     threads = torch.get_num_threads()
     try:
-        return Worker(ExecutorConfig(model=model_dir, dtype=dtype, kv_cache_gib=0.001, num_threads=1))
+        return Worker(ExecutorConfig(model=model_dir, dtype=dtype, kv_cache_gib=0.001, num_threads=1, **options))
     finally:
         torch.set_num_threads(threads)  # the Worker sets them for the whole process
 
@@ -68,7 +68,9 @@ def test_float32_steps_read_mkl_weights_at_one_row_and_the_panels_from_two(tiny_
 
 @needs_kernel
 def test_bfloat16_steps_read_the_bf16_blocks_half_the_float32_panels(tiny_model_dir):
-    worker = load(tiny_model_dir, "bfloat16")
+    # --cpu-gemm native: no start-up timing of bf16 GEMM routes, which CPUs
+    # with AVX512-BF16 or AMX would run under auto (their bytes: the next test).
+    worker = load(tiny_model_dir, "bfloat16", cpu_gemm="native")
     model = worker.model
     assert model.compute_dtype == torch.float32 and not any(p.bf16_routes for p in model.layers[0].packed.values())
     blocks = sum(2 * padded(o) * i for o, i in shapes(model))
