@@ -139,14 +139,15 @@ def _build(source: str, extra_flags: tuple[str, ...]) -> tuple[str | None, str, 
     return lib_path, "", ""
 
 
-def prebuild(sources: Iterable[str]) -> None:
-    """Compiles the sources not yet in the cache side by side, one compiler
-    per core, so that a first start waits for the slowest build instead of
-    their sum; load_library then finds them built. Failures are left for
-    load_library to report when its caller asks."""
-    todo = list(sources)
+def prebuild(builds: Iterable[tuple[str, tuple[str, ...]]]) -> None:
+    """Compiles the (source, extra flags) builds not yet in the cache side by
+    side, one compiler per core, in the order given (the slowest first), so
+    that a first start waits for the slowest build instead of their sum;
+    load_library then finds them built. Failures are left for load_library
+    to report when its caller asks."""
+    todo = list(builds)
     with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        list(pool.map(lambda source: _build(source, ()), todo))
+        list(pool.map(lambda build: _build(*build), todo))
 
 
 def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:

@@ -163,17 +163,21 @@ class Worker:
         if config.deterministic and self.device.type == "cuda":
             check_deterministic_cuda(backend, self.tp_size)
         if self.device.type == "cpu":
-            # A first start compiles the kernels side by side (the decode kernel alone takes ~25 s).
-            native_build.prebuild(
-                [
-                    native_kernel.SOURCE,
-                    native_kernel.PREFILL_SOURCE,
-                    packed_linear.SOURCE,
-                    fused_ops.SOURCE,
-                    fused_ops.BF16_SOURCE,
-                    decoder_stack.SOURCE,
-                ]
+            # A first start compiles the kernels side by side, the slowest first
+            # (the decode kernel ~25 s, ~50 s with its dot instances).
+            sources = (
+                native_kernel.SOURCE,
+                native_kernel.PREFILL_SOURCE,
+                packed_linear.SOURCE,
+                fused_ops.SOURCE,
+                fused_ops.BF16_SOURCE,
+                decoder_stack.SOURCE,
             )
+            dot = routes.decode_dot_build_needed(
+                config.decode_attention, backend, self.kv_dtype, self.dtype, config.deterministic
+            )
+            dot_build = [(native_kernel.SOURCE, native_kernel.DOT_FLAGS)] if dot else []
+            native_build.prebuild(dot_build + [(source, ()) for source in sources])
         self.attn_backend = get_backend(backend, config.deterministic)
         if self.device.type == "cpu" and (config.num_threads or tp is not None):
             # Ranks on one host share its cores: by default each takes an equal

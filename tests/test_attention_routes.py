@@ -301,3 +301,42 @@ def test_a_bf16_worker_serves_decodes_through_the_forced_route(tmp_path, monkeyp
     assert not torch.equal(logits["dot"][1], logits["widen"][1])
     scale = logits["widen"][1].abs().max().item()
     torch.testing.assert_close(logits["dot"][1], logits["widen"][1], rtol=0, atol=0.05 * scale)
+
+
+def test_the_dot_build_is_prebuilt_exactly_where_apply_loads_it(monkeypatch):
+    """decode_dot_build_needed (asked before the model loads, to compile the
+    decode kernel's dot build beside the others) against what apply does:
+    over every option, backend, cache and model dtype, --deterministic and
+    CPU, it says yes exactly where apply then loads that build."""
+    import itertools
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(paged_decode_dot_native=lambda: 1, paged_decode_dot_built=lambda: 1)
+    targets = {"cpu": backend(), "cpu-invariant": backend(batch_invariant=True)}
+    for target in targets.values():  # record the routes instead of swapping kernels
+        monkeypatch.setattr(target, "use_prefill_route", lambda route: None)
+        monkeypatch.setattr(target, "use_decode_route", lambda route: None)
+    monkeypatch.setattr(routes, "measure", lambda kind, candidates, *shape: kind.routes[0])
+    bf16, f32 = torch.bfloat16, torch.float32
+    checked = 0
+    try:
+        for option, name, kv, model, deterministic, flag in itertools.product(
+            ("auto", "widen", "dot"), ("cpu", "torch"), (bf16, f32), (bf16, f32), (False, True), (False, True)
+        ):
+            if deterministic and option != "auto" or name == "torch" and option != "auto":
+                continue  # refused by the config before any of this
+            flags = frozenset({"avx512f", "avx512bw"} | ({"avx512_bf16"} if flag else set()))
+            monkeypatch.setattr(native_kernel, "cpu_flags", lambda flags=flags: flags)
+            monkeypatch.setattr(routes, "cpu_flags", lambda flags=flags: flags)
+            loads = []
+            monkeypatch.setattr(native_kernel, "_dot_library", lambda loads=loads: loads.append(1) or fake)
+            native_kernel.dot_native.cache_clear()
+            cpu = targets["cpu-invariant" if deterministic else "cpu"]
+            target = TorchAttentionBackend() if name == "torch" else cpu
+            routes.apply("auto", option, target, kv, model, flag, 9, 3, 64)
+            predicted = routes.decode_dot_build_needed(option, name, kv, model, deterministic)
+            assert predicted == bool(loads), (option, name, kv, model, deterministic, flag)
+            checked += predicted
+    finally:
+        native_kernel.dot_native.cache_clear()
+    assert checked == 5  # explicit dot over a bf16 cache (either model, either CPU), and auto's own case

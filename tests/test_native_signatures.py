@@ -124,7 +124,7 @@ def test_prebuild_compiles_side_by_side_and_load_library_finds_them(tmp_path, mo
         return real_run(cmd, **kw)
 
     monkeypatch.setattr(native_build.subprocess, "run", counting_run)
-    native_build.prebuild([fused_ops.SOURCE, decoder_stack.SOURCE, str(broken)])  # no exception: left for later
+    native_build.prebuild([(fused_ops.SOURCE, ()), (decoder_stack.SOURCE, ()), (str(broken), ())])  # left for later
     assert sorted(compiles) == ["broken.c", "decoder_stack.c", "fused_ops.c"]
     assert len(glob.glob(str(tmp_path / "cache" / "pagedserve" / "native" / "*.so"))) == 2
     assert native_build.load_library(fused_ops.SOURCE) is not None

@@ -17,6 +17,8 @@ from executor_svc.native_build import cpu_flags, load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_decode.c")
 PREFILL_SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_prefill.c")
+# The decode kernel's build with its bf16 dot-product instances (decode_dot.h).
+DOT_FLAGS = ("-DPAGED_DECODE_DOT",)
 
 
 @lru_cache(maxsize=4)
@@ -29,7 +31,7 @@ def load(portable: bool = False, dot: bool = False):
     emulation), which double its compile time: only the "dot" decode route
     and its start-up timing load it."""
     flags = ("-DPAGED_DECODE_GENERIC",) if portable else ()
-    lib = load_library(SOURCE, flags + (("-DPAGED_DECODE_DOT",) if dot else ()))
+    lib = load_library(SOURCE, flags + (DOT_FLAGS if dot else ()))
     if lib is None:
         return None
     return lib.paged_decode_attention  # typed from native_signatures.py
@@ -37,7 +39,7 @@ def load(portable: bool = False, dot: bool = False):
 
 @lru_cache(maxsize=1)
 def _dot_library():
-    return load_library(SOURCE, ("-DPAGED_DECODE_DOT",))
+    return load_library(SOURCE, DOT_FLAGS)
 
 
 @lru_cache(maxsize=1)

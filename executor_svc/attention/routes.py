@@ -47,6 +47,7 @@ from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import DECODE_ROUTES, PREFILL_ROUTES, CpuAttentionBackend
 from executor_svc.attention.reference import make_batch  # the synthetic step the kernel tests use too
 from executor_svc.bf16_gemm_routes import BF16_MARGIN, machine_key, stored_or_measured
+from executor_svc.native_build import cpu_flags
 
 # (cached, new) tokens of the timed steps, at the default block size, 16.
 # Prefills: prompts of a few hundred tokens, a chunk continuing a longer one,
@@ -169,6 +170,23 @@ def _choose(
     if isinstance(candidates, str):
         return default, candidates
     return measure(kind, candidates, *shape), "timed"
+
+
+def decode_dot_build_needed(
+    decode_option: str, backend_name: str, kv_dtype: torch.dtype, model_dtype: torch.dtype, deterministic: bool
+) -> bool:
+    """Whether `apply` will load the decode kernel's dot build, which doubles
+    its compile time (~50 s): an explicit dot over a bf16 cache, or auto
+    where `_choose` times the dot route (a bfloat16 model over a bf16 cache,
+    outside --deterministic, on a CPU with AVX512-BF16), on the cpu backend.
+    Known before the model loads, so that a first start compiles it beside
+    the other kernels (native_build.prebuild) rather than after them. A
+    wrong answer costs time only: an extra compile, or a later one."""
+    if backend_name != "cpu" or kv_dtype != torch.bfloat16:
+        return False
+    if decode_option != "auto":
+        return decode_option == "dot"
+    return not deterministic and model_dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
 
 
 def apply(
