@@ -213,7 +213,9 @@ class PackedWeight:
     """The kernel's copies of one [out, in] weight: float32 panels, and its
     GGUF blocks where the file has them; or bfloat16 blocks alone."""
 
-    panels: torch.Tensor | None  # pack(weight); None with pack_bf16 blocks
+    # pack(weight); None with pack_bf16 blocks; empty where int8 activations
+    # take every row count (int8_rows == INT8_MAX_ROWS), since no route reads them.
+    panels: torch.Tensor | None
     blocks: BlockPanels | None = None  # pack_blocks of the same weight's rows
     # With bfloat16 blocks on CPUs with native bf16: the weight in oneDNN's
     # layout (onednn_linear.py), where bf16_routes sends rows to "onednn".
@@ -234,6 +236,9 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
+        assert self.panels is None or self.panels.numel() or self.int8_rows == INT8_MAX_ROWS, (
+            "float32 panels are left out only where int8 activations take every row count"
+        )
         assert self.gguf is None or (self.panels is None and self.blocks.kind == "BF16"), (
             "GGUF blocks beside float32 panels go in `blocks`; `gguf` is for bfloat16 weights"
         )
@@ -338,9 +343,9 @@ def linear(
         assert status == 0, f"{how} GEMM returned {status} for {blocks.kind} {out_features}x{in_features}"
     else:
         panels = packed.panels
-        assert panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features, (
-            f"panels {tuple(panels.shape)} do not pack a {tuple(weight.shape)} weight"
-        )
+        assert (
+            panels.dim() == 3 and panels.shape[1] == in_features and panels.shape[0] * panels.shape[2] >= out_features
+        ), f"panels {tuple(panels.shape)} do not pack a {tuple(weight.shape)} weight"
         kernel().gemm(
             out.data_ptr(),
             out.stride(0),

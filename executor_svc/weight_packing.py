@@ -24,7 +24,16 @@ from torch import nn
 
 from executor_svc import onednn_linear
 from executor_svc.model import LINEAR_PARTS, LlamaForCausalLM
-from executor_svc.packed_linear import BLOCK_K, INT8_KINDS, BlockPanels, PackedWeight, pack, pack_bf16, pack_blocks
+from executor_svc.packed_linear import (
+    BLOCK_K,
+    INT8_KINDS,
+    INT8_MAX_ROWS,
+    BlockPanels,
+    PackedWeight,
+    pack,
+    pack_bf16,
+    pack_blocks,
+)
 from executor_svc.rope import rope_cache
 
 # GGUFCheckpoint.blocks: (kind, uint8 rows) of a tensor the file keeps in blocks, else None.
@@ -60,7 +69,10 @@ def pack_linear_weights(
     """Adds the native CPU GEMM's packed copy of every linear weight and of
     the head (packed_linear.py), after load_weights, on float32 CPU models
     where the kernel was built. It doubles the linear weights' memory
-    (plus the blocks, where kept: 5/32 or 8.5/32 of their float32 size).
+    (plus the blocks, where kept: 5/32 or 8.5/32 of their float32 size),
+    except where int8 activations take every row count of a weight's
+    blocks (`int8_rows` = INT8_MAX_ROWS): no route reads its panels there,
+    so none are made.
 
     `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
     weights that the file stores as Q4_1 or Q8_0 in their blocks, for the
@@ -77,15 +89,18 @@ def pack_linear_weights(
             weight = getattr(layer, f"{name}_weight")
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
             found = _block_panels(model, blocks, names, split, weight)
-            layer.packed[name] = PackedWeight(
-                pack(weight), found, batch_invariant=batch_invariant, int8_rows=_int8_rows(found, int8_rows)
-            )
+            layer.packed[name] = _float32_packed(weight, found, batch_invariant, _int8_rows(found, int8_rows))
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     found = _block_panels(model, blocks, [head_name], None, head)
-    model._head_packed = PackedWeight(
-        pack(head), found, batch_invariant=batch_invariant, int8_rows=_int8_rows(found, int8_rows)
-    )
+    model._head_packed = _float32_packed(head, found, batch_invariant, _int8_rows(found, int8_rows))
+
+
+def _float32_packed(
+    weight: torch.Tensor, found: BlockPanels | None, batch_invariant: bool, int8_rows: int
+) -> PackedWeight:
+    panels = torch.empty(0) if int8_rows == INT8_MAX_ROWS else pack(weight)
+    return PackedWeight(panels, found, batch_invariant=batch_invariant, int8_rows=int8_rows)
 
 
 @torch.no_grad()

@@ -178,6 +178,10 @@ def test_route_takes_int8_only_where_the_weight_allows_it():
         PackedWeight(pack(w), int8_rows=4)
     with pytest.raises(AssertionError):
         PackedWeight(None, pack_bf16(w.bfloat16()), int8_rows=4)
+    # Panels may be left out only where int8 takes every row count.
+    assert route(1000, PackedWeight(torch.empty(0), pack_blocks("Q4_1", raw), int8_rows=INT8_MAX_ROWS)) == "int8"
+    with pytest.raises(AssertionError, match="panels are left out only"):
+        PackedWeight(torch.empty(0), pack_blocks("Q4_1", raw), int8_rows=40)
 
 
 @pytest.mark.parametrize("rows", [3, 300])
@@ -235,9 +239,14 @@ def smollm2_logits(one_torch_thread):
     ids = [tokenizer.encode(t, add_special_tokens=False).ids[:41] for t in texts()[:3]]
     loaded = ([dict(layer.packed) for layer in model.layers], model._head_packed)
     int8 = torch.cat([logits_by_position(model, i, 8, torch.float32) for i in ids])
+    # The float run needs the float32 panels the int8 model leaves out.
     for layer in model.layers:
-        layer.packed = {name: dataclasses.replace(p, int8_rows=0) for name, p in layer.packed.items()}
-    model._head_packed = dataclasses.replace(model._head_packed, int8_rows=0)
+        layer.packed = {
+            name: dataclasses.replace(p, panels=pack(getattr(layer, f"{name}_weight")), int8_rows=0)
+            for name, p in layer.packed.items()
+        }
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    model._head_packed = dataclasses.replace(model._head_packed, panels=pack(head), int8_rows=0)
     floats = torch.cat([logits_by_position(model, i, 8, torch.float32) for i in ids])
     return floats, int8, loaded, logs, model, ids
 
@@ -280,6 +289,7 @@ def test_smollm2_with_int8_activations_stays_close_to_float(smollm2_logits):
     floats, int8, (layers, head), logs, _, _ = smollm2_logits
     packed = [p for layer in layers for p in layer.values()] + [head]
     assert len(packed) == 121 and all(route(r, p) == "int8" for p in packed for r in (1, 64, 2048))
+    assert all(p.panels.numel() == 0 for p in packed)  # no float32 panels: no route would read them
     [line] = [e for e in logs if e["event"] == "gguf_linear_route"]
     assert line["weights_in_blocks"] == 121 and line["activations"] == "int8"
     assert not torch.equal(floats, int8)
