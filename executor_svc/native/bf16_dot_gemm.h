@@ -8,9 +8,8 @@
  *     native     _mm512_dpbf16_ps (VDPBF16PS), built for AVX512-BF16 and
  *                called only where the CPU has it;
  *     emulated   the instruction's arithmetic in AVX-512F FMAs, so that every
- *                CPU the kernel builds on runs (and tests) this loop; equal
- *                for normal values (the instruction also flushes denormal
- *                inputs and results to zero, the emulation does not).
+ *                CPU the kernel builds on runs (and tests) this loop; they
+ *                agree within about one rounding per k pair (bf16_dot.h).
  *
  * A BF16 block holds bf16 w[16][48][2]: for each pair of consecutive k, the
  * panel's 48 columns, each column's two weights side by side. That is the
