@@ -42,7 +42,7 @@ dtype the model computes in (float32 for a bfloat16 model widened for the
 native kernel) and, for a bfloat16 model, in bfloat16 as well: "ceil ms" is
 a step's FLOPs at the faster of the two, its time if all its work were
 matmul at the machine's best. On CPUs without AVX512-BF16 or AMX
-(worker.cpu_has_fast_bf16) torch emulates the bfloat16 GEMM, far below the
+(machine.cpu_has_fast_bf16) torch emulates the bfloat16 GEMM, far below the
 hardware's float32 rate; the printout says so.
 
 The floor is the other bound: the bytes a step must read over the machine's
@@ -101,8 +101,9 @@ import torch
 from bench import forward_sweep_report, membw, report, step_bytes
 from executor_svc.config import GGUF_ACTIVATIONS, GGUF_BLOCKS, ExecutorConfig
 from executor_svc.kv_cache import GIB, bytes_per_block
+from executor_svc.machine import cpu_has_fast_bf16
 from executor_svc.model_loader import open_checkpoint
-from executor_svc.worker import Worker, cpu_has_fast_bf16
+from executor_svc.worker import Worker
 from shared.logging import configure_logging
 from shared.sampling_params import SamplingParams
 from shared.step_plan import NewRequestData, StepPlan

@@ -29,8 +29,8 @@ async def run(config) -> int:
     config = dataclasses.replace(config, model=path, revision=None)
     if config.tensor_parallel_size == 1:
         return await serve_worker(config, None)
+    from executor_svc.machine import resolve_device
     from executor_svc.tp_launch import launch
-    from executor_svc.worker import resolve_device
 
     # This process is rank 0: it starts the other ranks, and they end with it.
     tp = launch(config, resolve_device(config.device))

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from executor_svc.config import ExecutorConfig
+from executor_svc.machine import resolve_device
 from executor_svc.model import check_tensor_parallel
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.tensor_parallel import DATA_TIMEOUT, STORE_HOST, TPGroup, exit_now, join
-from executor_svc.worker import Worker, resolve_device
+from executor_svc.worker import Worker
 from shared.logging import configure_logging
 
 log = structlog.get_logger(__name__)

@@ -53,8 +53,8 @@ def apply(
     sends every row count through the kernel (packed_linear.py). With
     `int8_rows`, 1..int8_rows rows over Q4_1/Q8_0 blocks take int8
     activations (PackedWeight.int8_rows; the caller checked the CPU and the
-    options, worker.gguf_int8_rows). The caller has checked that the kernel
-    is available (worker.use_packed_gemm)."""
+    options, machine.gguf_int8_rows). The caller has checked that the kernel
+    is available (machine.use_packed_gemm)."""
     assert not (int8_rows and batch_invariant), "int8 activations are not batch invariant"
     if model.embed_tokens.dtype == torch.bfloat16:
         widen_bf16(model, bf16_routes, blocks, batch_invariant, int8_rows)

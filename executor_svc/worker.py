@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from executor_svc import decoder_stack, fused_ops, native_build, onednn_linear, packed_linear
+from executor_svc import decoder_stack, fused_ops, machine, native_build, packed_linear
 from executor_svc.attention import get_backend, native_kernel, routes
 from executor_svc.config import ExecutorConfig
 from executor_svc.kv_cache import GIB, allocate_kv_caches, bytes_per_block, num_blocks_for_budget
@@ -48,98 +48,6 @@ class HandshakeInfo:
     attention_backend: str
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them bf16 matmuls run ~3x slower than float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
-        return torch.bfloat16 if fast_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def use_packed_gemm(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> bool:
-    """Whether --cpu-gemm resolves to the native packed kernel (packed_linear.py):
-    for float32 weights, and for bfloat16 ones (float32 arithmetic over them,
-    weight_packing.widen_bf16; see measure_bf16_routes for CPUs with bf16 of their own).
-    --deterministic needs it for either dtype on every CPU: its sums are the
-    batch-invariant ones (docs/determinism.md); on CUDA the Triton kernels
-    take its place (check_deterministic_cuda)."""
-    if name == "torch" or device.type != "cpu":
-        return False
-    # resolve_dtype gives float32 or bfloat16 only: the kernel takes either.
-    built = packed_linear.kernel() is not None
-    if deterministic and not built:
-        raise ValueError("--deterministic needs the native GEMM (an x86 CPU with AVX-512 and a C compiler)")
-    if name == "native" and not built:
-        raise ValueError("--cpu-gemm native needs an x86 CPU with AVX-512 plus a C compiler; the kernel is unavailable")
-    return built
-
-
-def measure_bf16_routes(name: str, packed_gemm: bool, dtype: torch.dtype, deterministic: bool = False) -> bool:
-    """Whether a widened bfloat16 model measures at start-up which GEMM takes
-    each row count (bf16_gemm_routes.py): with --cpu-gemm auto on CPUs with
-    native bf16 and a bf16 GEMM to offer there (the kernel's VDPBF16PS loop,
-    oneDNN); elsewhere both emulate bf16 and never beat the float32 kernel.
-    Never under --deterministic: their sums depend on the row count, and
-    weight_packing refuses them there too."""
-    return (
-        name == "auto"
-        and packed_gemm
-        and dtype == torch.bfloat16
-        and not deterministic
-        and cpu_has_fast_bf16()
-        and (packed_linear.kernel().bf16_dot_native or onednn_linear.available())
-    )
-
-
-def gguf_int8_rows(activations: str, packed_gemm: bool, gguf_blocks: str, deterministic: bool = False) -> int:
-    """Up to how many rows GGUF Q4_1/Q8_0 blocks take int8 activations
-    (packed_linear.INT8_MAX_ROWS, or 0 = never): with --gguf-activations int8,
-    the native GEMM and its blocks, on CPUs with AVX512-VNNI (the kernel has
-    no emulation), never under --deterministic (its rounding depends on the
-    route, hence on the row count; the config refuses the pair too)."""
-    return (
-        packed_linear.INT8_MAX_ROWS
-        if activations == "int8"
-        and packed_gemm
-        and gguf_blocks == "auto"
-        and not deterministic
-        and packed_linear.kernel().int8_native
-        else 0
-    )
-
-
-def check_deterministic_cuda(attention_backend: str, tp_size: int) -> None:
-    """Raises ValueError where --deterministic on CUDA cannot keep its promise:
-    its linears, head and norms are the Triton kernels of triton_invariant/
-    and its attention must be the Triton backend (whose per-row arithmetic
-    does not depend on the batch); NCCL's all-reduce picks its algorithm by
-    message size, i.e. by the step's token count, so no tensor parallelism."""
-    if attention_backend != "triton":
-        raise ValueError(f"--deterministic on CUDA needs the triton attention backend, not {attention_backend!r}")
-    if tp_size > 1:
-        raise ValueError(
-            "--deterministic on CUDA runs on one GPU: NCCL's all-reduce picks its algorithm by message size, "
-            "so a token's sums across ranks would depend on the batch (docs/determinism.md)"
-        )
-
-
 def sampler_for(device: torch.device, deterministic: bool) -> Sampler:
     """torch's row reductions are per row on CPU; on CUDA --deterministic needs the Triton ones (sampler.py)."""
     return Sampler(RowOps.triton() if deterministic and device.type != "cpu" else None)
@@ -150,10 +58,10 @@ class Worker:
         self.config = config
         self.tp = tp
         self.tp_size = 1 if tp is None else tp.size
-        self.device = resolve_device(config.device) if tp is None else tp.device
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.device = machine.resolve_device(config.device) if tp is None else tp.device
+        self.dtype = machine.resolve_dtype(config.dtype, self.device)
         self.kv_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
+            self.dtype if config.kv_cache_dtype == "auto" else machine.resolve_dtype(config.kv_cache_dtype, self.device)
         )
         backend = config.attention_backend
         if backend == "auto":
@@ -161,7 +69,7 @@ class Worker:
         if backend == "triton" and self.kv_dtype != self.dtype:
             raise ValueError("--kv-cache-dtype different from --dtype is supported by the cpu and torch backends only")
         if config.deterministic and self.device.type == "cuda":
-            check_deterministic_cuda(backend, self.tp_size)
+            machine.check_deterministic_cuda(backend, self.tp_size)
         if self.device.type == "cpu":
             # A first start compiles the kernels side by side, the slowest first
             # (the decode kernel ~25 s, ~50 s with its dot instances).
@@ -183,7 +91,7 @@ class Worker:
             # Ranks on one host share its cores: by default each takes an equal
             # share, since oversubscribed OpenMP threads spin against each other.
             torch.set_num_threads(config.num_threads or max(1, torch.get_num_threads() // self.tp_size))
-        self.packed_gemm = use_packed_gemm(config.cpu_gemm, self.device, self.dtype, config.deterministic)
+        self.packed_gemm = machine.use_packed_gemm(config.cpu_gemm, self.device, self.dtype, config.deterministic)
         loaded = load_model(
             config.model,
             self.dtype,
@@ -194,9 +102,11 @@ class Worker:
             with_tokenizer=tp is None or tp.is_driver,
             packed_gemm=self.packed_gemm,
             gguf_blocks=config.gguf_blocks == "auto",
-            bf16_routes=measure_bf16_routes(config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic),
+            bf16_routes=machine.measure_bf16_routes(
+                config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic
+            ),
             batch_invariant=config.deterministic,
-            int8_rows=gguf_int8_rows(
+            int8_rows=machine.gguf_int8_rows(
                 config.gguf_activations, self.packed_gemm, config.gguf_blocks, config.deterministic
             ),
         )
@@ -208,7 +118,7 @@ class Worker:
             self.attn_backend,
             self.kv_dtype,
             self.dtype,
-            self.device.type == "cpu" and cpu_has_fast_bf16(),
+            self.device.type == "cpu" and machine.cpu_has_fast_bf16(),
             mc.num_attention_heads // self.tp_size,
             mc.num_key_value_heads // self.tp_size,
             mc.head_dim,

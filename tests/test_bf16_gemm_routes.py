@@ -81,23 +81,24 @@ def test_worker_on_a_fast_bf16_cpu_serves_through_its_measured_routes(tmp_path, 
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    from executor_svc import worker as worker_mod
+    from executor_svc import machine
     from executor_svc.config import ExecutorConfig
+    from executor_svc.worker import Worker
 
     if not onednn_linear.available():
         pytest.skip("this torch has no oneDNN packed linear")
     save_tiny_hf_model("llama_tied", str(tmp_path))
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
-    monkeypatch.setattr(worker_mod, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: True)
     routes = ((1, "dot"), (32, "onednn"))
     monkeypatch.setattr(bf16_gemm_routes, "calibrate", lambda *a, **k: (routes, {}))
     # Forced routes must not be stored where a real start would find them.
     monkeypatch.setattr(bf16_gemm_routes, "stored_or_measured", lambda key, measure: (*measure(), "measured"))
-    routed = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01))
+    routed = Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01))
     assert routed.dtype == torch.bfloat16 and routed.packed_gemm and routed.model.compute_dtype == torch.float32
     packed = routed.model.layers[0].packed["gate_up"]
     assert packed.bf16_routes == routes and packed.onednn is not None
-    plain = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01, cpu_gemm="native"))
+    plain = Worker(ExecutorConfig(model=str(tmp_path), kv_cache_gib=0.01, cpu_gemm="native"))
     assert plain.model.layers[0].packed["gate_up"].bf16_routes == ()
 
     for length, how in ((37, "onednn"), (20, "dot")):

@@ -223,20 +223,19 @@ def test_worker_serves_bfloat16_widened(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    from executor_svc import worker as worker_mod
+    from executor_svc import machine
+    from executor_svc.worker import Worker
 
     save_tiny_hf_model("llama_tied", str(tmp_path))
     # The Worker loads a tokenizer with every model; nothing here tokenizes.
     Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
-    original = worker_mod.cpu_has_fast_bf16
-    worker_mod.cpu_has_fast_bf16 = lambda: False
+    original = machine.cpu_has_fast_bf16
+    machine.cpu_has_fast_bf16 = lambda: False
     try:
-        widened = worker_mod.Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01))
-        emulated = worker_mod.Worker(
-            ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, cpu_gemm="torch")
-        )
+        widened = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01))
+        emulated = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01, cpu_gemm="torch"))
     finally:
-        worker_mod.cpu_has_fast_bf16 = original
+        machine.cpu_has_fast_bf16 = original
     assert widened.packed_gemm and widened.model.compute_dtype == torch.float32
     assert weight_packing.block_panel_bytes(widened.model) > 0
     assert not emulated.packed_gemm and emulated.model.compute_dtype == torch.bfloat16

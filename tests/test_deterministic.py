@@ -166,8 +166,9 @@ def test_deterministic_is_one_flag_and_refuses_the_torch_paths():
             parse_config(["--deterministic", *flags])
     # --cpu-gemm does nothing on CUDA, so it does not stand in the way there.
     assert parse_config(["--deterministic", "--device", "cuda", "--cpu-gemm", "torch"]).deterministic
+    from executor_svc.machine import check_deterministic_cuda, use_packed_gemm
     from executor_svc.sampler import RowOps
-    from executor_svc.worker import check_deterministic_cuda, sampler_for, use_packed_gemm
+    from executor_svc.worker import sampler_for
 
     # CUDA: no packed GEMM (the Triton kernels take its place), one GPU, triton attention.
     assert not use_packed_gemm("auto", torch.device("cuda"), torch.float32, deterministic=True)

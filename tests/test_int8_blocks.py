@@ -194,7 +194,7 @@ def test_linear_through_the_int8_route_is_the_kernel(rows):
 
 
 def test_int8_rows_only_with_the_option_vnni_blocks_and_no_determinism(monkeypatch):
-    from executor_svc.worker import gguf_int8_rows
+    from executor_svc.machine import gguf_int8_rows
 
     assert gguf_int8_rows("int8", True, "auto") == INT8_MAX_ROWS
     assert gguf_int8_rows("float", True, "auto") == 0

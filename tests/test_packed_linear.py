@@ -108,9 +108,9 @@ def test_empty_panels_mean_plain_linear():
 
 
 def test_cpu_gemm_setting_resolves(monkeypatch):
-    from executor_svc import worker
+    from executor_svc import machine
     from executor_svc.config import parse_config
-    from executor_svc.worker import use_packed_gemm
+    from executor_svc.machine import use_packed_gemm
 
     cpu = torch.device("cpu")
     assert use_packed_gemm("auto", cpu, torch.float32) and use_packed_gemm("native", cpu, torch.float32)
@@ -119,14 +119,14 @@ def test_cpu_gemm_setting_resolves(monkeypatch):
     # bfloat16: the kernel's float32 arithmetic on every CPU; where the CPU has
     # bf16 of its own, auto also measures which GEMM takes each row count.
     for fast in (False, True):
-        monkeypatch.setattr(worker, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda fast=fast: fast)
         assert use_packed_gemm("auto", cpu, torch.bfloat16)
         assert use_packed_gemm("native", cpu, torch.bfloat16) and not use_packed_gemm("torch", cpu, torch.bfloat16)
         bf16_gemm = packed_linear.kernel().bf16_dot_native or onednn_linear.available()
-        assert worker.measure_bf16_routes("auto", True, torch.bfloat16) is (fast and bf16_gemm)
-        assert not worker.measure_bf16_routes("native", True, torch.bfloat16)
-        assert not worker.measure_bf16_routes("auto", True, torch.float32)
-        assert not worker.measure_bf16_routes("auto", True, torch.bfloat16, deterministic=True)
+        assert machine.measure_bf16_routes("auto", True, torch.bfloat16) is (fast and bf16_gemm)
+        assert not machine.measure_bf16_routes("native", True, torch.bfloat16)
+        assert not machine.measure_bf16_routes("auto", True, torch.float32)
+        assert not machine.measure_bf16_routes("auto", True, torch.bfloat16, deterministic=True)
     monkeypatch.setattr(packed_linear, "kernel", lambda: None)
     assert not use_packed_gemm("auto", cpu, torch.float32)
     with pytest.raises(ValueError, match="--cpu-gemm native needs an x86 CPU with AVX-512"):
