@@ -21,6 +21,18 @@
 #define PAGEDSERVE_BF16_DOT_H
 #include <immintrin.h>
 
+/* The instruction, where this compiler can build it: gcc 10+ only (the
+ * compiler native_build looks for). An older clang may lack "avx512bf16" in
+ * __builtin_cpu_supports, and failing there would lose the whole library,
+ * not just its dot kernels. A source instantiating its dot kernel with
+ * DOT_NATIVE_OP must also check __builtin_cpu_supports("avx512bf16") before
+ * calling it. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define HAVE_NATIVE_DOT 1
+#define DOT_NATIVE_TARGET __attribute__((target("avx512f,avx512bf16")))
+#define DOT_NATIVE_OP(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#endif
+
 static inline __attribute__((always_inline)) __m512 dot_emulated(__m512 acc, __m512i a, __m512i b)
 {
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);

@@ -422,14 +422,11 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 #undef DOT_TARGET
 #undef DOT
 
-/* gcc only (the compiler native_build looks for): an older clang may lack
- * "avx512bf16" in __builtin_cpu_supports, and failing here would lose the
- * whole library, not just this kernel. */
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define HAVE_NATIVE_DOT 1
+/* And with the instruction, where bf16_dot.h says this compiler builds it. */
+#ifdef HAVE_NATIVE_DOT
 #define DOT_NAME(x) x##_dot_native
-#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
-#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#define DOT_TARGET DOT_NATIVE_TARGET
+#define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
 #include "bf16_dot_gemm.h"
 #undef DOT_NAME
 #undef DOT_TARGET

@@ -329,9 +329,8 @@ static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROU
 /* The bf16 dot-product instances (decode_dot.h), in the build made with
  * -DPAGED_DECODE_DOT only (they double the compile time, and only the "dot"
  * decode route uses them): emulated, and with VDPBF16PS where the compiler
- * has it (gcc only, as packed_gemm.c's: an older clang may lack "avx512bf16"
- * in __builtin_cpu_supports). Their V interleave needs AVX-512BW, which
- * every CPU with AVX512-BF16 has. */
+ * builds it (HAVE_NATIVE_DOT, bf16_dot.h). Their V interleave needs
+ * AVX-512BW, which every CPU with AVX512-BF16 has. */
 #if defined(__AVX512BW__) && defined(PAGED_DECODE_DOT)
 #define HAVE_DOT 1
 #include "../../native/bf16.h"
@@ -343,11 +342,10 @@ static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROU
 #undef DOT_NAME
 #undef DOT_TARGET
 #undef DOT
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define HAVE_NATIVE_DOT 1
+#ifdef HAVE_NATIVE_DOT
 #define DOT_NAME(x) x##_dot_native
-#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
-#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#define DOT_TARGET DOT_NATIVE_TARGET
+#define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
 #include "decode_dot.h"
 #undef DOT_NAME
 #undef DOT_TARGET

@@ -297,7 +297,7 @@ typedef void (*item_fn)(float *, int64_t, int64_t, const float *, int64_t, int64
                         const int32_t *, int, int64_t, int, int, int, int, float, float *);
 
 /* The bf16 dot-product items (prefill_dot.h), emulated and with VDPBF16PS
- * where the compiler has it (as paged_decode.c's). Their V interleave needs
+ * where the compiler builds it (HAVE_NATIVE_DOT, bf16_dot.h). Their V interleave needs
  * AVX-512BW, which every CPU with AVX512-BF16 has. */
 #if defined(__AVX512BW__)
 #define HAVE_DOT 1
@@ -309,11 +309,10 @@ typedef void (*item_fn)(float *, int64_t, int64_t, const float *, int64_t, int64
 #undef DOT_NAME
 #undef DOT_TARGET
 #undef DOT
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define HAVE_NATIVE_DOT 1
+#ifdef HAVE_NATIVE_DOT
 #define DOT_NAME(x) x##_dot_native
-#define DOT_TARGET __attribute__((target("avx512f,avx512bf16")))
-#define DOT(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#define DOT_TARGET DOT_NATIVE_TARGET
+#define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
 #include "prefill_dot.h"
 #undef DOT_NAME
 #undef DOT_TARGET
