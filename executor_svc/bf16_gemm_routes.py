@@ -30,6 +30,13 @@ keyed by everything it depends on (CPU, kernel build, torch, threads, shape,
 candidates), and later starts on the same machine, an executor restarted
 after a crash among them, reuse it: two runs of the same workload compute
 the same numbers (docs/determinism.md). Deleting the file re-measures.
+
+Before any timing, each bf16-activation candidate's product is checked
+against the float32 arithmetic's (`agreeing`), and one that differs by
+more than bf16 rounding explains is dropped with an error in the log. The
+native VDPBF16PS loops and oneDNN's bf16 kernels run only on the CPUs that
+have the instruction, which the machines this code was written on lack; a
+compiler or CPU that computes them wrong must cost speed, not answers.
 """
 
 from __future__ import annotations
@@ -55,8 +62,13 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 # How much faster (median) a GEMM on bf16-rounded activations must be.
 BF16_MARGIN = 1.05
 FLOAT32_ARITHMETIC = ("blocks", "gguf")
+# The most a bf16-activation product may differ from the float32 one, as a
+# fraction of its norm. Rounding the activations to bf16 (8 bits) moves a
+# product by ~2^-9 of its norm; an operand mis-paired or a lane dropped by
+# a wrong build moves it by about the norm itself.
+ROUTE_TOLERANCE = 0.02
 
-Gemm = Callable[[torch.Tensor], object]
+Gemm = Callable[[torch.Tensor], torch.Tensor]
 Routes = tuple[tuple[int, str], ...]
 log = structlog.get_logger(__name__)
 
@@ -108,6 +120,34 @@ def candidates(
     return {name: (lambda x, p=p: linear(x, weight, None, p)) for name, p in packed.items()}
 
 
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """||out - reference|| / ||reference||, in float64; NaN or inf where
+    `out` holds a NaN or an infinity, or its shape is wrong."""
+    if not isinstance(out, torch.Tensor) or out.shape != reference.shape:
+        return float("inf")
+    ref = reference.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def agreeing(gemms: dict[str, Gemm], in_features: int, rows: tuple[int, ...] = CALIBRATION_ROWS) -> dict[str, Gemm]:
+    """`gemms` without the bf16-activation ones whose product, at any of
+    `rows`, is further than ROUTE_TOLERANCE from the BF16 blocks' float32
+    arithmetic over the same weight (logged as an error: a wrong kernel
+    build or CPU). The file's blocks hold a weight of their own and float32
+    arithmetic; they are not compared."""
+    gen = torch.Generator().manual_seed(2)
+    kept = dict(gemms)
+    for count in rows:
+        x = torch.randn(count, in_features, generator=gen)
+        reference = gemms["blocks"](x)
+        for name in [n for n in kept if n not in FLOAT32_ARITHMETIC]:
+            error = relative_error(kept[name](x), reference)
+            if not error <= ROUTE_TOLERANCE:
+                log.error("bf16_linear_route_disagrees", route=name, rows=count, relative_error=error)
+                del kept[name]
+    return kept
+
+
 def calibrate(
     gemms: dict[str, Gemm],
     in_features: int,
@@ -117,9 +157,11 @@ def calibrate(
 ) -> tuple[tuple[tuple[int, str], ...], dict[int, dict[str, float]]]:
     """(routes, times): routes as PackedWeight.bf16_routes, (from_rows, name)
     wherever the winner changes, from rows[0] on; times the median
-    microseconds of each GEMM at each row count, for the log. Medians of
-    `reps` calls after one warm-up call each (caches, oneDNN's primitive cache)."""
+    microseconds of each GEMM at each row count, for the log, of those
+    `agreeing` keeps. Medians of `reps` calls after one warm-up call each
+    (caches, oneDNN's primitive cache)."""
     assert "blocks" in gemms, "the BF16 blocks are the baseline every weight has"
+    gemms = agreeing(gemms, in_features, rows)
     gen = torch.Generator().manual_seed(1)
     times: dict[int, dict[str, float]] = {}
     routes: list[tuple[int, str]] = []

@@ -94,10 +94,12 @@ def test_routes_are_checked():
 
 
 class FakeBackend:
-    """Costs `cost` seconds of a shared fake clock per forward."""
+    """Costs `cost` seconds of a shared fake clock per forward, and returns
+    `output` (the same for every fake unless given)."""
 
-    def __init__(self, cost: float, now: list[float]):
+    def __init__(self, cost: float, now: list[float], output: torch.Tensor | None = None):
         self.cost, self.now, self.calls = cost, now, 0
+        self.output = torch.ones(4, 6, 64) if output is None else output
 
     def write_kv(self, *args):
         pass
@@ -108,6 +110,7 @@ class FakeBackend:
     def forward(self, *args):
         self.calls += 1
         self.now[0] += self.cost
+        return self.output
 
 
 @pytest.mark.parametrize("kind", [routes.PREFILL, routes.DECODE], ids=["prefill", "decode"])
@@ -119,7 +122,30 @@ def test_the_bf16_candidate_must_win_by_the_margin(kind, bf16_cost, wins):
     route, times = routes.calibrate(kind, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])
     assert route == (bf16 if wins else default)
     assert times == {default: 1e6, bf16: round(bf16_cost * 1e6, 1)}
-    assert fakes[default].calls == fakes[bf16].calls == 4  # a warm-up, then 3 timed
+    assert fakes[default].calls == fakes[bf16].calls == 5  # agreement, a warm-up, then 3 timed
+
+
+@pytest.mark.parametrize("kind", [routes.PREFILL, routes.DECODE], ids=["prefill", "decode"])
+def test_a_candidate_whose_output_is_wrong_is_never_chosen(kind):
+    """However fast: a dot path or SDPA that computes wrong (a wrong build or
+    CPU) is dropped before timing, with an error in the log; one within bf16
+    rounding of the default stays in the race."""
+    from structlog.testing import capture_logs
+
+    default, bf16 = kind.routes[:2]
+    now = [0.0]
+    good = torch.randn(4, 6, 64)
+    for output, wins in (
+        (good * 1.1, False),
+        (good.index_fill(0, torch.tensor([2]), float("nan")), False),
+        (good.bfloat16().float(), True),
+    ):
+        fakes = {default: FakeBackend(1.0, now, good), bf16: FakeBackend(0.5, now, output)}
+        with capture_logs() as logs:
+            route, times = routes.calibrate(kind, fakes, 6, 2, 64, reps=3, clock=lambda: now[0])
+        assert route == (bf16 if wins else default)
+        dropped = [e for e in logs if e["event"] == f"{kind.name}_attention_route_disagrees"]
+        assert (not dropped) if wins else (dropped[0]["route"] == bf16 and fakes[bf16].calls == 1)
 
 
 def test_the_fastest_of_several_candidates_is_kept():

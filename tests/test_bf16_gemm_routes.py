@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x8
 
 
 class FakeClock:
-    """Each stand-in GEMM advances it by its cost at the row count it is given."""
+    """Each stand-in GEMM advances it by its cost at the row count it is given
+    and returns `product(x)`: by default all stand-ins agree (zeros)."""
 
     def __init__(self):
         self.now = 0.0
@@ -24,9 +25,10 @@ class FakeClock:
     def __call__(self) -> float:
         return self.now
 
-    def gemm(self, cost):
+    def gemm(self, cost, product=lambda x: torch.zeros(x.shape[0], 8)):
         def run(x):
             self.now += cost(x.shape[0])
+            return product(x)
 
         return run
 
@@ -50,6 +52,41 @@ def test_each_row_count_goes_to_the_fastest_and_bf16_activations_need_a_margin()
     assert calibrate(close, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "blocks"),)
     clear = {"blocks": clock.gemm(lambda r: 100.0), "dot": clock.gemm(lambda r: 100.0 / BF16_MARGIN * 0.99)}
     assert calibrate(clear, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "dot"),)
+
+
+def test_a_bf16_route_whose_product_is_wrong_is_never_chosen():
+    """However fast: a dot kernel or oneDNN build that computes wrong (here a
+    product off by a lost lane's worth, or NaN at one row count) is dropped
+    before timing, with an error in the log; one within bf16 rounding stays."""
+    from structlog.testing import capture_logs
+
+    clock = FakeClock()
+    weight = torch.randn(8, 64, dtype=torch.float64)
+
+    def exact(x):
+        return (x.double() @ weight.T).float()
+
+    def wrong_at(count, how):
+        return lambda x: how(exact(x)) if x.shape[0] == count else exact(x)
+
+    gemms = {
+        "blocks": clock.gemm(lambda r: 10.0, exact),
+        "gguf": clock.gemm(lambda r: 9.0, lambda x: -exact(x)),  # a weight of its own: not compared
+        "dot": clock.gemm(lambda r: 1.0, wrong_at(16, lambda y: y * 1.1)),
+        "onednn": clock.gemm(lambda r: 2.0, wrong_at(1, lambda y: y.index_fill(1, torch.tensor([3]), float("nan")))),
+    }
+    with capture_logs() as logs:
+        routes, times = calibrate(gemms, 64, rows=(1, 16), reps=1, clock=clock)
+    assert routes == ((1, "gguf"),) and set(times[16]) == {"blocks", "gguf"}
+    errors = {e["route"]: e for e in logs if e["event"] == "bf16_linear_route_disagrees"}
+    assert set(errors) == {"dot", "onednn"} and errors["dot"]["rows"] == 16 and errors["onednn"]["rows"] == 1
+    assert 0.09 < errors["dot"]["relative_error"] < 0.11
+
+    rounded = {
+        "blocks": clock.gemm(lambda r: 10.0, exact),
+        "dot": clock.gemm(lambda r: 1.0, lambda x: exact(x.bfloat16().float())),
+    }
+    assert calibrate(rounded, 64, rows=(1, 16), reps=1, clock=clock)[0] == ((1, "dot"),)
 
 
 @pytest.mark.parametrize("gguf_kind", [None, "Q4_1", "Q8_0"])

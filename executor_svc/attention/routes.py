@@ -29,9 +29,13 @@ share of a step. Which one wins depends on the CPU, so each is timed, as
 the GEMM routes are: the candidates this machine has on the model's
 attention shape, alternated, over a synthetic step (PREFILL_STEP,
 DECODE_STEP); the fastest bf16 candidate, which rounds, must beat the
-float32 default by BF16_MARGIN. The result is stored in
-the kernel cache like theirs (same key discipline), so an executor restarted
-on this machine computes the same numbers.
+float32 default by BF16_MARGIN. A candidate whose output on that step
+differs from the default's by more than bf16 rounding explains
+(ROUTE_TOLERANCE) is dropped before timing, with an error in the log, as
+the GEMM routes' are: the dot paths run only where the instruction exists.
+The result is stored in the kernel cache like theirs (same key
+discipline), so an executor restarted on this machine computes the same
+numbers.
 """
 
 from __future__ import annotations
@@ -46,7 +50,13 @@ import torch
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import DECODE_ROUTES, PREFILL_ROUTES, CpuAttentionBackend
 from executor_svc.attention.reference import make_batch  # the synthetic step the kernel tests use too
-from executor_svc.bf16_gemm_routes import BF16_MARGIN, machine_key, stored_or_measured
+from executor_svc.bf16_gemm_routes import (
+    BF16_MARGIN,
+    ROUTE_TOLERANCE,
+    machine_key,
+    relative_error,
+    stored_or_measured,
+)
 from executor_svc.native_build import cpu_flags
 
 # (cached, new) tokens of the timed steps, at the default block size, 16.
@@ -85,8 +95,9 @@ def calibrate(
 ) -> tuple[str, dict[str, float]]:
     """(route, median microseconds of each backend): one step of kind.step on
     a bfloat16 cache, float32 queries (a widened model's), `reps` timed calls
-    each after a warm-up, alternated."""
-    default = kind.routes[0]
+    each after a warm-up, alternated, of the backends whose warm-up output
+    agrees with the default's within ROUTE_TOLERANCE."""
+    default, backends = kind.routes[0], dict(backends)
     assert default in backends and set(backends) <= set(kind.routes), f"backends {sorted(backends)}"
     batch = make_batch(
         list(kind.step),
@@ -105,6 +116,16 @@ def calibrate(
         metas[name] = dataclasses.replace(batch.meta, extra={})
         backend.write_kv(batch.new_key, batch.new_value, batch.k_cache, batch.v_cache, metas[name])
         backend.prepare(metas[name])
+    reference = backends[default].forward(query, batch.k_cache, batch.v_cache, metas[default], scale)
+    for name in [n for n in backends if n != default]:
+        error = relative_error(
+            backends[name].forward(query, batch.k_cache, batch.v_cache, metas[name], scale), reference
+        )
+        if not error <= ROUTE_TOLERANCE:
+            log.error(f"{kind.name}_attention_route_disagrees", route=name, relative_error=error)
+            del backends[name], runs[name]
+    if len(backends) == 1:
+        return default, {}
     for i in range(reps + 1):
         for name, backend in backends.items():
             start = clock()
@@ -131,7 +152,7 @@ def measure(kind: _Kind, candidates: tuple[str, ...], num_heads: int, num_kv_hea
     routes = (kind.routes[0], *candidates)
     key = machine_key(
         kind.source,
-        version=2,  # of this key and of calibrate's method
+        version=3,  # of this key and of calibrate's method
         kind=kind.name,
         shape=[num_heads, num_kv_heads, head_dim],
         step=[list(p) for p in kind.step],
