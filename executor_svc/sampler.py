@@ -64,18 +64,27 @@ def apply_min_tokens_and_penalties(logits: torch.Tensor, md: SamplingMetadata) -
 
     Returns `logits` itself when neither applies, else a contiguous copy: only
     the touched (row, token) entries are gathered, changed and written back.
+    min_tokens gives way in a row where it would leave no token at all (its
+    stop ids cover everything the output constraint allows): that row is
+    sampled as if min_tokens were met, rather than from nothing. A penalty
+    that overflows (a repetition penalty near 0) saturates at float32's
+    largest value, not +inf, whose arithmetic would give NaN further on.
     """
     if md.min_tokens_index is None and md.penalty_index is None:
         return logits
+    original = logits
     logits = logits.clone(memory_format=torch.contiguous_format)
     flat = logits.view(-1)
     if md.min_tokens_index is not None:
         flat.index_fill_(0, md.min_tokens_index, -math.inf)
+        nothing_left = logits.amax(dim=-1, keepdim=True) == -math.inf
+        logits = torch.where(nothing_left, original, logits)
+        flat = logits.view(-1)
     if md.penalty_index is not None:
         values, r, counts = flat[md.penalty_index], md.repetition_penalty, md.penalty_counts
         values = torch.where(values > 0, values / r, values * r)
         values = values - md.frequency_penalty * counts - md.presence_penalty * (counts > 0).float()
-        flat[md.penalty_index] = values
+        flat[md.penalty_index] = values.clamp(max=torch.finfo(values.dtype).max)
     return logits
 
 
@@ -88,7 +97,8 @@ def _nucleus_threshold(sorted_desc: torch.Tensor, lse: torch.Tensor, top_p: torc
     """
     probs = (sorted_desc - lse).exp()
     cumulative = ops.cumsum(probs)
-    n_keep = ((cumulative - probs) < top_p[:, None]).sum(dim=-1, keepdim=True)
+    # At least rank 0, also where the mass is NaN (a row with no finite logit).
+    n_keep = ((cumulative - probs) < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     return sorted_desc.gather(1, n_keep - 1), cumulative[:, -1]
 
 
@@ -153,7 +163,8 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [R, V], the random rows only. Truncations mask tokens to -inf."""
-        logits = logits / md.temperature[:, None]
+        # A saturated penalty over a temperature below 1 overflows: saturate again.
+        logits = (logits / md.temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
         if md.top_k is not None:
             # Threshold at each row's k-th largest value; ties at the threshold stay in.
             kth = logits.topk(md.max_top_k, dim=-1).values

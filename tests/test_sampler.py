@@ -231,6 +231,37 @@ def test_min_tokens_masks_until_enough_outputs():
     assert_distribution(tokens, torch.tensor([0.0, 0.0, 4.0, 1.0]).exp() * torch.tensor([1, 0, 1, 1]))
 
 
+def test_min_tokens_gives_way_where_it_would_leave_no_token():
+    """Its stop ids cover every token the output constraint allows: the row
+    samples as if min_tokens were met (here only tokens 1 and 2 are allowed,
+    both stop ids), and the rows beside it are untouched."""
+    allowed = torch.tensor([[-math.inf, 5.0, 4.0, -math.inf]])  # a constraint's mask already applied
+    logits = torch.cat([allowed, torch.tensor([[0.0, 5.0, 4.0, 1.0]])])
+    stuck = SamplingParams(temperature=0.0, min_tokens=3, min_tokens_masked_ids=(1, 2))
+    out = sample([stuck, stuck], logits)
+    assert out.sampled_token_ids.tolist() == [1, 3]  # row 1 still has token 3 outside its stop ids
+    torch.manual_seed(0)
+    random = dataclasses.replace(stuck, temperature=1.0, top_p=0.9)
+    tokens = sample([random] * 2000, allowed.expand(2000, -1).contiguous()).sampled_token_ids
+    assert_distribution(tokens, allowed[0].exp())
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_overflowing_penalties_and_rows_of_nothing_sample_without_nan(top_p):
+    """A repetition penalty near 0 divides positive logits past float32's
+    range: they saturate, so the prompt's favoured tokens win, never NaN;
+    and a row with no finite logit at all (nothing a constraint allows)
+    draws some token instead of failing the batch."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 3.0, 0.5], [-math.inf] * 5])
+    params = [SamplingParams(temperature=0.9, top_p=top_p, repetition_penalty=1e-40), SamplingParams(top_p=top_p)]
+    torch.manual_seed(0)
+    for _ in range(20):
+        # Token 1 (1.0, in the prompt) saturates far above token 3 (3.0); token 2 (-1.0) goes to -0.
+        out = sample(params, logits, prompts=[[1, 2], []])
+        assert out.sampled_token_ids[0].item() == 1
+        assert 0 <= out.sampled_token_ids[1].item() < 5
+
+
 def test_greedy_is_exactly_argmax():
     torch.manual_seed(0)
     logits = torch.randn(16, 1000)
