@@ -127,6 +127,8 @@ class Intake:
         if arrival is not None:
             handle.arrival = arrival
         requests = fan_out(gen, grammar, self._eos, handle.arrival)
+        for request in requests:  # before any stream opens: a refusal leaves nothing behind
+            self._scheduler.check_fits(request)
         detoks = [
             IncrementalDetokenizer(
                 self._tokenizer, gen.prompt_token_ids, list(gen.stop), gen.include_stop_str_in_output

@@ -48,6 +48,10 @@ from shared.step_plan import StepPlan, StepResult
 _RUNNING = RequestStatus.RUNNING
 
 
+class RequestTooLong(ValueError):
+    """A request's prompt and max_tokens do not fit the model's context."""
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -87,13 +91,19 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already live")
         if request.status != RequestStatus.WAITING or request.output_token_ids or request.block_ids:
             raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raises RequestTooLong where the request's prompt and max_tokens exceed
+        the context, which shrinks when an executor comes back with less KV
+        memory: a request validated against the old one may no longer fit."""
         if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
-            raise ValueError(
+            raise RequestTooLong(
                 f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
                 f"({request.max_tokens}) exceeds max_model_len ({self.config.max_model_len})"
             )
-        self.requests[request.request_id] = request
-        self.waiting.push(request)
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """Finishes a live request now (blocks freed at once); False if it is not live."""

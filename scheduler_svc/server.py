@@ -31,6 +31,7 @@ from scheduler_svc.engine import Engine, EngineUnavailable
 from scheduler_svc.grammar import GrammarError, GrammarTimeout
 from scheduler_svc.intake import QueueFull
 from scheduler_svc.output_processor import FinishReason, SampleOutput
+from scheduler_svc.scheduler import RequestTooLong
 from scheduler_svc.text_work import TextWorkers
 from scheduler_svc.validation import InvalidRequest, Limits, chat_work_size, render_chat, to_generation_input, work_size
 from shared.grpc_auth import ANONYMOUS, Caller, TokenTable
@@ -171,6 +172,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestTooLong as e:  # the context shrank (an executor came back smaller) since validation
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         finished = 0
         try:
             while finished < handle.n:

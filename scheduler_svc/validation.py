@@ -214,6 +214,8 @@ def output_constraint(c: pb.OutputConstraint) -> Constraint | None:
         _check_text(field, c.json_schema)
         try:
             schema = json.loads(c.json_schema)
+        except RecursionError as e:  # nested deeper than Python's parser recurses
+            raise InvalidRequest(field, "nested too deeply to parse") from e
         except ValueError as e:
             raise InvalidRequest(field, f"not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):

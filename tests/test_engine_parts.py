@@ -20,6 +20,7 @@ from scheduler_svc.intake import GenerationInput, Intake, QueueFull, fan_out
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.output_processor import FinishReason, OutputProcessor, RequestHandle
 from scheduler_svc.request import RequestOutput, RequestStatus
+from scheduler_svc.scheduler import RequestTooLong
 from scheduler_svc.scheduler_config import SchedulerPolicy
 from scheduler_svc.tokenizer import Tokenizer
 from shared.sampling_params import SamplingParams
@@ -124,6 +125,18 @@ def test_intake_refuses_a_colliding_id_or_a_full_queue_before_touching_anything(
     with pytest.raises(QueueFull):
         intake.submit(gen("y", n=2), None, None, "")
     assert len(outputs) == 2 and len(scheduler.waiting) == 2
+
+
+def test_a_request_the_shrunken_context_no_longer_fits_is_refused_before_any_stream_opens():
+    """Validated against the old context, submitted after an executor came
+    back with less KV memory (Scheduler.resize): refused as too long, with no
+    sample stream left open under its id (which would block the id and drain)."""
+    intake, outputs, scheduler, _ = parts()
+    scheduler.resize(dataclasses.replace(scheduler.config, num_blocks=17, max_model_len=64))
+    with pytest.raises(RequestTooLong):
+        intake.submit(dataclasses.replace(gen("x", n=2), max_tokens=100), None, None, "")
+    assert len(outputs) == 0 and not scheduler.requests and not outputs.taken("x", ["x#0", "x#1"])
+    assert intake.submit(dataclasses.replace(gen("x", n=2), max_tokens=40), None, None, "").sample_ids == ["x#0", "x#1"]
 
 
 def test_an_abort_closes_only_this_handles_samples():

@@ -33,10 +33,16 @@ class Echo(pb_grpc.GenerationServicer):
                 pb.TokenizeResponse(token_ids=[1]).SerializeToString()
                 + pb.TokenizeResponse(token_ids=[2]).SerializeToString()
             )
+        if request.text == "bug":
+            raise RecursionError("a handler's own failure")
+        if request.text == "refuse":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused on purpose")
         return pb.TokenizeResponse(token_ids=[len(request.text)])
 
     async def Generate(self, request, context):
         yield pb.GenerateResponse(request_id=request.request_id)
+        if request.request_id == "bug":  # fails after a first response
+            raise KeyError("a handler's own failure")
 
 
 async def call(
@@ -105,6 +111,25 @@ def test_health_stays_open():
 def test_corrupt_messages_are_invalid_argument(method, stream, raw):
     assert code(method, raw, bearer(f"Bearer {TOKEN}"), stream) == C.INVALID_ARGUMENT
     assert code(method, raw, stream=stream) == C.UNAUTHENTICATED  # an unauthenticated message is never parsed
+
+
+@pytest.mark.parametrize(
+    "method,raw,stream",
+    [
+        (TOKENIZE, pb.TokenizeRequest(text="bug").SerializeToString(), False),
+        (GENERATE, pb.GenerateRequest(request_id="bug").SerializeToString(), True),
+    ],
+)
+def test_a_handlers_unexpected_failure_is_internal_and_logged(method, raw, stream):
+    """Not UNKNOWN: one place answers INTERNAL for what a handler let through,
+    and logs it; a handler's own abort keeps its status."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        assert code(method, raw, bearer(f"Bearer {TOKEN}"), stream) == C.INTERNAL
+    assert [e["method"] for e in logs if e["event"] == "handler_failed"] == [method]
+    refuse = pb.TokenizeRequest(text="refuse").SerializeToString()
+    assert code(TOKENIZE, refuse, bearer(f"Bearer {TOKEN}")) == C.FAILED_PRECONDITION
 
 
 def test_a_handler_may_answer_with_serialized_bytes():

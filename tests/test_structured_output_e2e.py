@@ -198,6 +198,8 @@ def test_bad_constraints_are_refused_at_once_with_the_compilers_message(stub):
     cases = [
         (pb.OutputConstraint(json_schema='{"type": "objec"}'), "constraint.json_schema", "objec"),
         (pb.OutputConstraint(json_schema='{"type": '), "constraint.json_schema", "not valid JSON"),
+        # Deeper than Python's JSON parser recurses (a RecursionError, not a ValueError).
+        (pb.OutputConstraint(json_schema="[" * 100_000 + "]" * 100_000), "constraint.json_schema", "too deeply"),
         (pb.OutputConstraint(regex="(a"), "constraint.regex", "unclosed group"),
         (
             pb.OutputConstraint(grammar=pb.Grammar(syntax=pb.Grammar.SYNTAX_LARK, source="start: nope")),
