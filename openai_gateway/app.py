@@ -68,6 +68,8 @@ def _auth(request: Request) -> tuple:
 async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
+    except RecursionError as e:  # nested deeper than Python's parser recurses
+        raise APIError(400, "the request body is nested too deeply to parse") from e
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
@@ -152,6 +154,8 @@ class Gateway:
 
     async def _check_model(self, request: Request, name: str) -> None:
         """404 for a model this server does not serve (as vLLM and OpenAI answer)."""
+        if not isinstance(name, str):
+            raise APIError(400, f"model: expected a string, got {type(name).__name__}", "model")
         if not self.names:
             await self._model_card(request)  # learns the names once; the scheduler serves one model for its life
         if name not in self.names:
@@ -279,6 +283,9 @@ class Gateway:
             err = from_grpc(e, t.renames)
             log.warning("stream_failed", request_id=response_id, status=err.status, code=e.code().name)
             yield _sse(err.body())
+        except Exception:  # a bug here, after the headers: end the stream with an error event, not mid-air
+            log.exception("stream_internal_error", request_id=response_id)
+            yield _sse(APIError(500, "internal error in the gateway").body())
         yield _DONE
 
     @staticmethod

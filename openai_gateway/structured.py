@@ -116,5 +116,8 @@ def logit_bias(body: Mapping) -> dict[int, float] | None:
             raise ParamError("logit_bias", f"keys must be token ids, got {key!r}") from None
         if not 0 <= token < 2**32 or isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise ParamError("logit_bias", f"expected a token id and a number, got {key!r}: {bias!r}")
-        out[token] = float(bias)
+        try:
+            out[token] = float(bias)
+        except OverflowError:
+            raise ParamError("logit_bias", f"bias for {key!r} is too large for a number") from None
     return out

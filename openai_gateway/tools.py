@@ -43,7 +43,7 @@ class Call:
 def _loads_or_raw(text: str):
     try:
         return json.loads(text or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's recursion: kept as text
         return text
 
 
@@ -297,7 +297,8 @@ def tool_calling(body: Mapping) -> ToolCalling | None:
         raise ParamError("tool_choice", "needs tools")
     if choice in ("auto", "required"):
         return ToolCalling(choice, functions)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ParamError(
             "tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'

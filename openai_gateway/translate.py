@@ -106,7 +106,13 @@ def _typed(body: Mapping, name: str, kind: type, what: str):
 
 
 def _num(body, name):
-    return _typed(body, name, (int, float), "a number")
+    value = _typed(body, name, (int, float), "a number")
+    if isinstance(value, int):  # JSON integers are unbounded; the protos' numbers are not
+        try:
+            float(value)
+        except OverflowError:
+            raise _bad(name, "expected a number, got an integer too large for one") from None
+    return value
 
 
 def _int(body, name, bounds):
@@ -313,13 +319,23 @@ def logprob_token_ids(logprobs) -> set[int]:
     return {lp.token_id for lp in logprobs} | {t.token_id for lp in logprobs for t in lp.top}
 
 
+# JSON has no -Infinity: a token an output constraint or logit bias ruled out
+# reports this instead (as OpenAI and vLLM do).
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0) -> dict:
     """OpenAI's logprobs object. Completions' `text_offset` counts characters from `offset`
-    (the sample's text length before these tokens); its top_logprobs include the sampled token."""
+    (the sample's text length before these tokens); its top_logprobs include the sampled token.
+    Logprobs are floored at LOGPROB_FLOOR."""
     if kind == CHAT:
 
         def entry(token_id, logprob):
-            return {"token": text[token_id], "logprob": logprob, "bytes": list(text[token_id].encode())}
+            return {"token": text[token_id], "logprob": _finite(logprob), "bytes": list(text[token_id].encode())}
 
         content = [
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
@@ -332,9 +348,10 @@ def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0)
         offset += len(text[lp.token_id])
     return {
         "tokens": [text[lp.token_id] for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
+        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
         "top_logprobs": [
-            {**{text[t.token_id]: t.logprob for t in lp.top}, text[lp.token_id]: lp.logprob} for lp in logprobs
+            {**{text[t.token_id]: _finite(t.logprob) for t in lp.top}, text[lp.token_id]: _finite(lp.logprob)}
+            for lp in logprobs
         ],
         "text_offset": offsets,
     }

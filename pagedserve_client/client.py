@@ -68,7 +68,7 @@ def build_request(
             if value is not None:
                 try:
                     setattr(group, name, value)
-                except (TypeError, ValueError) as e:  # e.g. a negative or too large integer
+                except (TypeError, ValueError, OverflowError) as e:  # e.g. a negative or too large integer
                     raise ValueError(f"{name}={value!r}: {e}") from None
     # A str is itself a sequence of strings: without this, stop="END" would stop at "E", "N" or "D".
     req.stopping.stop.extend([stop] if isinstance(stop, str) else (stop or ()))

@@ -155,6 +155,7 @@ def test_translated_requests_build_grpc_requests():
         ({"model": "m", "prompt": "a", "echo": True, "logprobs": 1}, "echo"),
         ({"model": "m", "prompt": "a", "max_tokens": -1}, "max_tokens"),
         ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "a", "temperature": 10**400}, "temperature"),  # valid JSON, no float
         ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a"}, "model"),
     ],
@@ -283,6 +284,18 @@ def test_logprobs_completion_and_chat(oai):
         assert e.top_logprobs[0].token == e.token and bytes(e.bytes) == e.token.encode()
 
 
+def test_logprobs_of_tokens_a_constraint_rules_out_are_floored_not_infinite(oai, base):
+    """More top_logprobs than the constraint allows tokens: the rest are -inf in
+    the engine, -9999.0 in JSON (which has no -Infinity), streamed or not."""
+    ask = dict(model="m", messages=CHAT, max_tokens=2, temperature=0, logprobs=True, top_logprobs=20)
+    ask["extra_body"] = {"guided_choice": ["yes", "no"]}
+    content = oai.chat.completions.create(**ask).choices[0].logprobs.content
+    assert min(t.logprob for t in content[0].top_logprobs) == -9999.0
+    assert content[0].top_logprobs[0].logprob > -9999.0
+    streamed = [c for c in oai.chat.completions.create(**ask, stream=True) if c.choices and c.choices[0].logprobs]
+    assert min(t.logprob for t in streamed[0].choices[0].logprobs.content[0].top_logprobs) == -9999.0
+
+
 def test_bad_requests_name_the_field(oai, base):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="m", prompt=PROMPT, temperature=-1)
@@ -301,6 +314,12 @@ def test_bad_requests_name_the_field(oai, base):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body = http("GET", base + "/v1/nowhere", None, auth)
     assert status == 404 and body["error"]["code"] == "not_found"
+    deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past the parser's recursion
+    status, body = http("POST", base + "/v1/completions", deep, auth)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    for path in ("/tokenize", "/v1/completions"):
+        status, body = http("POST", base + path, json.dumps({"model": ["m"], "prompt": "a"}).encode(), auth)
+        assert status == 400 and body["error"]["param"] == "model", (path, body)
 
 
 def test_bearer_token_is_passed_through(base):

@@ -85,6 +85,8 @@ def test_response_format_and_guided_params_become_constraints():
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 10**400}}, "logit_bias"),  # valid JSON, too large for a float
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -143,6 +145,11 @@ def test_earlier_tool_calls_and_results_render_into_the_conversation():
         == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     )
     assert turns[3] == {"role": "tool", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+    # Arguments nested past the JSON parser's recursion are kept as the text they are.
+    deep = "[" * 5000 + "]" * 5000
+    messages[-2]["tool_calls"][0]["function"]["arguments"] = deep
+    turns = chat_request({"model": "m", "messages": messages, "tools": [WEATHER]}).prompts[0]["messages"]
+    assert deep in turns[2]["content"]
 
 
 OUTPUT = (
