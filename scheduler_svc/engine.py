@@ -29,7 +29,7 @@ from scheduler_svc.grammar import CompiledGrammar, GrammarCompiler
 from scheduler_svc.intake import GenerationInput, Intake
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.output_processor import OutputProcessor, RequestHandle
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_config import SchedulerConfig, SchedulerPolicy
 from scheduler_svc.tokenizer import Tokenizer
@@ -142,8 +142,9 @@ class Engine:
         """Applies a step's result and streams its outputs; True if the step failed."""
         if result.error:
             log.error("step_failed", step_id=result.step_id, error=result.error, failed=len(result.failed_request_ids))
-        for request_id in self.outputs.process(self.scheduler.update_from_result(plan, result)):
-            self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)  # a stop string matched
+        ended = self.outputs.process(self.scheduler.update_from_result(plan, result))
+        for request_id, status in ended.items():  # a stop string matched, or streaming the output failed
+            self.scheduler.abort_request(request_id, status)
         if not result.error:
             self.metrics.observe_step(plan.total_num_scheduled_tokens)
         log.debug(

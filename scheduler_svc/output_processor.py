@@ -134,10 +134,12 @@ class OutputProcessor:
                 sample.first_scheduled = now
                 self._metrics.observe_scheduled(sample.handle.arrival, now)
 
-    def process(self, outputs: Sequence[RequestOutput]) -> list[str]:
-        """Detokenizes and streams a step's outputs; returns the ids of unfinished
-        requests a stop string just ended, for the scheduler to abort (as STOPPED)."""
-        stopped = []
+    def process(self, outputs: Sequence[RequestOutput]) -> dict[str, RequestStatus]:
+        """Detokenizes and streams a step's outputs; returns the unfinished
+        requests the scheduler must abort, with their status: STOPPED where a
+        stop string just ended one, ABORTED where streaming its output failed
+        (a bug, logged; that sample ends with the error, the others go on)."""
+        ended: dict[str, RequestStatus] = {}
         for out in outputs:
             sample = self._samples.get(out.request_id)
             if sample is None:
@@ -145,27 +147,39 @@ class OutputProcessor:
             if out.error:  # the scheduler already dropped it (a failed step)
                 self.fail(out.request_id, out.error)
                 continue
-            req = sample.request
-            self._observe_tokens(sample, len(out.new_token_ids))
-            delta = sample.detok.add_tokens(out.new_token_ids, stops_armed=req.num_output_tokens >= req.min_tokens)
-            msg = SampleOutput(sample.index, list(out.new_token_ids), delta.text, list(out.new_logprobs))
-            if delta.matched_stop is not None:
+            try:
+                if self._process(sample, out):
+                    ended[out.request_id] = RequestStatus.FINISHED_STOPPED
+            except Exception as e:
+                log.exception("sample_output_failed", request_id=out.request_id)
+                self.fail(out.request_id, f"streaming its output failed: {type(e).__name__}: {e}")
                 if not out.finished:
-                    stopped.append(req.request_id)
-                msg.finish_reason, msg.matched_stop = FinishReason.STOP, delta.matched_stop
-            elif out.finished:
-                msg.text += sample.detok.flush()
-                if sample.detok.matched_stop is not None:  # completed by the final flush
-                    msg.finish_reason, msg.matched_stop = FinishReason.STOP, sample.detok.matched_stop
-                else:
-                    msg.finish_reason = _FINISH[out.status]
-                    msg.matched_stop_token_id = out.stop_token_id
-            if msg.finish_reason is None:
-                sample.handle.queue.put_nowait(msg)
-                continue
-            msg.prompt_tokens, msg.completion_tokens = req.num_prompt_tokens, req.num_output_tokens
-            msg.cached_prompt_tokens = max(req.num_cached_tokens, 0)
-            self._finish(sample, msg)
+                    ended[out.request_id] = RequestStatus.FINISHED_ABORTED
+        return ended
+
+    def _process(self, sample: _Sample, out: RequestOutput) -> bool:
+        """Streams one sample's output; True if a stop string ended it before the scheduler did."""
+        stopped = False
+        req = sample.request
+        self._observe_tokens(sample, len(out.new_token_ids))
+        delta = sample.detok.add_tokens(out.new_token_ids, stops_armed=req.num_output_tokens >= req.min_tokens)
+        msg = SampleOutput(sample.index, list(out.new_token_ids), delta.text, list(out.new_logprobs))
+        if delta.matched_stop is not None:
+            stopped = not out.finished
+            msg.finish_reason, msg.matched_stop = FinishReason.STOP, delta.matched_stop
+        elif out.finished:
+            msg.text += sample.detok.flush()
+            if sample.detok.matched_stop is not None:  # completed by the final flush
+                msg.finish_reason, msg.matched_stop = FinishReason.STOP, sample.detok.matched_stop
+            else:
+                msg.finish_reason = _FINISH[out.status]
+                msg.matched_stop_token_id = out.stop_token_id
+        if msg.finish_reason is None:
+            sample.handle.queue.put_nowait(msg)
+            return False
+        msg.prompt_tokens, msg.completion_tokens = req.num_prompt_tokens, req.num_output_tokens
+        msg.cached_prompt_tokens = max(req.num_cached_tokens, 0)
+        self._finish(sample, msg)
         return stopped
 
     def _observe_tokens(self, sample: _Sample, count: int) -> None:

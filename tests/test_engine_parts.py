@@ -70,21 +70,21 @@ def drain(handle: RequestHandle) -> list:
 def test_a_stop_string_over_two_tokens_finishes_the_sample_and_asks_to_abort_it():
     intake, outputs, _, m = parts()
     handle = intake.submit(gen(stop=("w5 w6",)), None, None, "")
-    assert outputs.process([out("x", 4)]) == []
-    assert outputs.process([out("x", 5)]) == []  # " w5" is held back: it may start the stop string
-    assert outputs.process([out("x", 6)]) == ["x"]  # the scheduler must abort it (as STOPPED)
+    assert outputs.process([out("x", 4)]) == {}
+    assert outputs.process([out("x", 5)]) == {}  # " w5" is held back: it may start the stop string
+    assert outputs.process([out("x", 6)]) == {"x": RequestStatus.FINISHED_STOPPED}  # the scheduler must abort it
     messages = drain(handle)
     assert "".join(msg.text for msg in messages) == " w4 "
     assert [msg.finish_reason for msg in messages] == [None, None, FinishReason.STOP]
     assert messages[-1].matched_stop == "w5 w6" and "x" not in outputs and handle.num_open == 0
     assert finished_count(m, "stop") == 1
-    assert outputs.process([out("x", 7)]) == []  # a token of a step already in flight is dropped
+    assert outputs.process([out("x", 7)]) == {}  # a token of a step already in flight is dropped
 
 
 def test_a_stop_string_in_the_last_token_of_a_finished_sample_needs_no_abort():
     intake, outputs, _, _ = parts()
     handle = intake.submit(gen(stop=("w5",)), None, None, "")
-    assert outputs.process([out("x", 5, finished=True, status=RequestStatus.FINISHED_LENGTH)]) == []
+    assert outputs.process([out("x", 5, finished=True, status=RequestStatus.FINISHED_LENGTH)]) == {}
     (msg,) = drain(handle)
     assert (msg.finish_reason, msg.matched_stop, msg.completion_tokens) == (FinishReason.STOP, "w5", 0)
 
@@ -102,6 +102,26 @@ def test_finish_reasons_come_from_the_scheduler_and_a_failed_step_carries_its_er
     assert by_index[0].finish_reason is FinishReason.LENGTH and by_index[0].text == " w4"
     assert (by_index[1].finish_reason, by_index[1].error) == (FinishReason.ABORT, "kernel exploded")
     assert len(outputs) == 0 and finished_count(m, "length") == finished_count(m, "abort") == 1
+
+
+def test_a_sample_whose_output_cannot_be_streamed_fails_alone(monkeypatch):
+    """A bug detokenizing one sample (here its detokenizer raises) ends that
+    sample with the error and asks the scheduler to abort it; the sample
+    beside it in the same step streams on, and the step loop is not hurt."""
+    intake, outputs, _, m = parts()
+    handle = intake.submit(gen(n=2), None, None, "")
+    broken = outputs._samples["x#1"].detok
+
+    def explode(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a detokenizer bug")
+
+    monkeypatch.setattr(broken, "add_tokens", explode)
+    assert outputs.process([out("x#0", 4), out("x#1", 5)]) == {"x#1": RequestStatus.FINISHED_ABORTED}
+    by_index = {msg.index: msg for msg in drain(handle)}
+    assert by_index[0].finish_reason is None and by_index[0].text == " w4"
+    assert by_index[1].finish_reason is FinishReason.ABORT and "UnicodeDecodeError" in by_index[1].error
+    assert outputs.process([out("x#0", 6, finished=True, status=RequestStatus.FINISHED_LENGTH)]) == {}
+    assert drain(handle)[0].finish_reason is FinishReason.LENGTH and len(outputs) == 0
 
 
 def test_n_samples_fan_out_with_consecutive_seeds_that_wrap_at_two_to_the_64():
