@@ -4,9 +4,11 @@
 
 Reports requests/s, output tokens/s and total (prompt + output) tokens/s. With
 `--baseline hf` the same requests also run through Hugging Face `generate` in
-static batches (bench/hf_baseline.py), and with `--vllm-python` through vLLM's
-CPU build (bench/vllm_baseline.py), in the same process run, on the same
-machine, at the same dtype. Systems never run at the same time: each round
+static batches (bench/hf_baseline.py), with `--vllm-python` through vLLM's
+CPU build (bench/vllm_baseline.py), at the same dtype, and with
+`--llama-server` through llama.cpp over the embedded GGUF file at its own
+precision (bench/llamacpp_baseline.py), in the same process run, on the same
+machine. Systems never run at the same time: each round
 starts a fresh engine (the same prompts again would otherwise hit the prefix
 cache the previous round filled), runs it, stops it, then runs the baselines,
 so that load from other users of a shared machine falls on all of them alike. The headline is the
@@ -20,17 +22,20 @@ and reports the median of the per-round on/off ratios (docs/determinism.md).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
 import torch
 
-from bench import hf_baseline, report, vllm_baseline
+from bench import hf_baseline, llamacpp_baseline, report, vllm_baseline
 from bench.driver import engine_workload, run_requests, warm_up
 from bench.run_servers import EngineFlags, running_engine
 from bench.workloads import add_workload_args, describe
 
 SUITE = "throughput"
+# Peer engines a round may also run: the result key, and the name in tables.
+PEERS = {"vllm": "vLLM CPU", "llamacpp": "llama.cpp (GGUF)"}
 
 
 def add_args(p) -> None:
@@ -41,6 +46,9 @@ def add_args(p) -> None:
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build: run it too")
     p.add_argument(
         "--vllm-model", default=None, help="model path for vLLM (default: the embedded GGUF saved once as a HF folder)"
+    )
+    p.add_argument(
+        "--llama-server", default=None, help="a llama.cpp llama-server binary: run the embedded GGUF file in it too"
     )
     p.add_argument(
         "--no-overlap-scheduling", action="store_true", help="start PagedServe's scheduler with --no-overlap-scheduling"
@@ -87,7 +95,12 @@ def run_dtype(args, flags: EngineFlags) -> dict:
     """Every system on one dtype: engine rounds interleaved with baseline rounds."""
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     out: dict = dict(
-        dtype=flags.dtype, engine_flags=flags.as_dict(), pagedserve_rounds=[], hf_rounds=[], vllm_rounds=[]
+        dtype=flags.dtype,
+        engine_flags=flags.as_dict(),
+        pagedserve_rounds=[],
+        hf_rounds=[],
+        vllm_rounds=[],
+        llamacpp_rounds=[],
     )
     model, requests = None, None
     for r in range(args.repeats):
@@ -115,6 +128,9 @@ def run_dtype(args, flags: EngineFlags) -> dict:
             out["vllm_rounds"].append(
                 vllm_baseline.run(args.vllm_python, requests, flags.dtype, args.vllm_model, flags.num_threads)
             )
+        if args.llama_server:
+            gguf = os.path.join(hf_baseline.embedded_model_dir(), hf_baseline.GGUF_FILE)
+            out["llamacpp_rounds"].append(llamacpp_baseline.run(args.llama_server, requests, gguf, flags.num_threads))
     del model
     return _summarize(out)
 
@@ -123,7 +139,9 @@ def run_modes(args, variants: list[EngineFlags]) -> list[dict]:
     """The same dtype in several executor modes, one round of each in turn
     (the order alternating between rounds), so that load from other users
     of the machine falls on all of them alike. PagedServe alone: no baselines."""
-    one = argparse.Namespace(**{**vars(args), "repeats": 1, "baseline": "none", "vllm_python": None})
+    one = argparse.Namespace(
+        **{**vars(args), "repeats": 1, "baseline": "none", "vllm_python": None, "llama_server": None}
+    )
     outs: list[dict | None] = [None] * len(variants)
     for r in range(args.repeats):
         order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
@@ -163,17 +181,19 @@ def _summarize(out: dict) -> dict:
         ]
         out["ratio_vs_best_hf_per_round"] = ratios
         out["ratio_vs_best_hf"] = statistics.median(ratios)
-    vr = out["vllm_rounds"]
-    if vr:
-        failed = [v for v in vr if "output_tokens_per_s" not in v]
+    for peer in PEERS:
+        rounds = out.get(f"{peer}_rounds")
+        if not rounds:
+            continue
+        failed = [v for v in rounds if "output_tokens_per_s" not in v]
         if failed:
-            out["vllm"] = failed[0]
-        else:
-            out["vllm"] = {k: _median(vr, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
-            out["vllm"]["version"] = vr[0].get("vllm_version")
-            ratios = [p["output_tokens_per_s"] / v["output_tokens_per_s"] for p, v in zip(ps, vr)]
-            out["ratio_vs_vllm_per_round"] = ratios
-            out["ratio_vs_vllm"] = statistics.median(ratios)
+            out[peer] = failed[0]
+            continue
+        out[peer] = {k: _median(rounds, k) for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+        out[peer]["version"] = rounds[0].get("version")
+        ratios = [p["output_tokens_per_s"] / v["output_tokens_per_s"] for p, v in zip(ps, rounds)]
+        out[f"ratio_vs_{peer}_per_round"] = ratios
+        out[f"ratio_vs_{peer}"] = statistics.median(ratios)
     return out
 
 
@@ -201,21 +221,17 @@ def table_rows(d: dict) -> list[list]:
                 f"{ratio:.2f}x",
             ]
         )
-    v = d.get("vllm")
-    if v:
+    for peer, name in PEERS.items():
+        v = d.get(peer)
+        if not v:
+            continue
         if "output_tokens_per_s" in v:
+            ratio = f"{d[f'ratio_vs_{peer}']:.2f}x"
             rows.append(
-                [
-                    d["dtype"],
-                    "vLLM CPU",
-                    v["requests_per_s"],
-                    v["output_tokens_per_s"],
-                    v["total_tokens_per_s"],
-                    f"{d['ratio_vs_vllm']:.2f}x",
-                ]
+                [d["dtype"], name, v["requests_per_s"], v["output_tokens_per_s"], v["total_tokens_per_s"], ratio]
             )
         else:
-            rows.append([d["dtype"], "vLLM CPU", "failed", "", "", v.get("error", "")[:60]])
+            rows.append([d["dtype"], name, "failed", "", "", v.get("error", "")[:60]])
     return rows
 
 
@@ -230,10 +246,11 @@ def chart(result: dict, path) -> None:
             labels.append(f"HF bs={bs}{tag}")
             values.append(h["output_tokens_per_s"])
             colors.append("tab:gray")
-        if "output_tokens_per_s" in d.get("vllm", {}):
-            labels.append("vLLM CPU" + tag)
-            values.append(d["vllm"]["output_tokens_per_s"])
-            colors.append("tab:purple")
+        for peer, name in PEERS.items():
+            if "output_tokens_per_s" in d.get(peer, {}):
+                labels.append(name + tag)
+                values.append(d[peer]["output_tokens_per_s"])
+                colors.append("tab:purple" if peer == "vllm" else "tab:orange")
     w = result["dtypes"][0]["workload"]
     report.bar_chart(
         path,
@@ -282,10 +299,11 @@ def main(args, argv: list[str]) -> dict:
                 f"{d['dtype']}: --deterministic / default = {d['ratio_vs_first_mode']:.3f}x (median of per-round "
                 f"ratios {', '.join(f'{x:.3f}' for x in d['ratio_vs_first_mode_per_round'])})"
             )
-        if "ratio_vs_vllm_per_round" in d:
-            print(
-                f"{d['dtype']}: PagedServe / vLLM = {d['ratio_vs_vllm']:.2f}x (median of per-round ratios "
-                f"{', '.join(f'{x:.2f}' for x in d['ratio_vs_vllm_per_round'])})"
-            )
+        for peer, name in PEERS.items():
+            if f"ratio_vs_{peer}_per_round" in d:
+                print(
+                    f"{d['dtype']}: PagedServe / {name} = {d[f'ratio_vs_{peer}']:.2f}x (median of per-round ratios "
+                    f"{', '.join(f'{x:.2f}' for x in d[f'ratio_vs_{peer}_per_round'])})"
+                )
     report.save(result, SUITE, args.out_dir, None if args.no_chart else chart)
     return result

@@ -106,7 +106,7 @@ def _script(req_file: str, model: str, dtype: str) -> None:
         RESULT_MARK
         + json.dumps(
             dict(
-                vllm_version=vllm.__version__,
+                version=vllm.__version__,
                 dtype=dtype,
                 duration_s=elapsed,
                 requests_per_s=len(reqs) / elapsed,

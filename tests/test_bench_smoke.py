@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -324,17 +325,69 @@ def test_forward_sweep_times_the_runner_in_process(tmp_path):
     )
 
 
-def test_vllm_ratio_is_the_median_of_per_round_ratios():
+@pytest.mark.parametrize("peer", ["vllm", "llamacpp"])
+def test_a_peers_ratio_is_the_median_of_per_round_ratios(peer):
     from bench.throughput import _summarize
 
     def r(tok_s):
         return dict(requests_per_s=1.0, output_tokens_per_s=tok_s, total_tokens_per_s=3 * tok_s)
 
-    out = _summarize(dict(pagedserve_rounds=[r(100), r(150), r(90)], hf_rounds=[], vllm_rounds=[r(80), r(100), r(100)]))
-    assert out["ratio_vs_vllm_per_round"] == pytest.approx([1.25, 1.5, 0.9])
-    assert out["ratio_vs_vllm"] == pytest.approx(1.25) and out["vllm"]["output_tokens_per_s"] == 100
-    failed = _summarize(dict(pagedserve_rounds=[r(100)], hf_rounds=[], vllm_rounds=[dict(error="exit 1")]))
-    assert failed["vllm"] == {"error": "exit 1"} and "ratio_vs_vllm" not in failed
+    out = _summarize(
+        {"pagedserve_rounds": [r(100), r(150), r(90)], "hf_rounds": [], f"{peer}_rounds": [r(80), r(100), r(100)]}
+    )
+    assert out[f"ratio_vs_{peer}_per_round"] == pytest.approx([1.25, 1.5, 0.9])
+    assert out[f"ratio_vs_{peer}"] == pytest.approx(1.25) and out[peer]["output_tokens_per_s"] == 100
+    failed = _summarize({"pagedserve_rounds": [r(100)], "hf_rounds": [], f"{peer}_rounds": [dict(error="exit 1")]})
+    assert failed[peer] == {"error": "exit 1"} and f"ratio_vs_{peer}" not in failed
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("version: 9 (fake)", file=sys.stderr)
+    sys.exit(0)
+opt = dict(zip(args[::2], args[1::2]))
+short = "--short" in open({flags!r}).read()  # a server that stops early
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["ignore_eos"] and body["temperature"] == 0 and not body["cache_prompt"]
+        n = body["n_predict"] - (1 if short else 0)
+        time.sleep(0.01)
+        out = json.dumps(dict(tokens_predicted=n, tokens_evaluated=len(body["prompt"]), slots=opt["-np"]))
+        self.send_response(200); self.end_headers(); self.wfile.write(out.encode())
+
+ThreadingHTTPServer((opt["--host"], int(opt["--port"])), Handler).serve_forever()
+"""
+
+
+def test_llamacpp_baseline_sends_every_request_at_once_and_counts_tokens(tmp_path):
+    """Against a stand-in llama-server: every request's tokens counted, its
+    version recorded, and a server that produces fewer tokens than asked is
+    reported as an error rather than timed."""
+    from bench import llamacpp_baseline
+
+    flags = tmp_path / "flags"
+    flags.write_text("")
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, flags=str(flags)))
+    server.chmod(0o755)
+    reqs = uniform_workload(6, (5, 9), (2, 4), 300, seed=1)
+    out = llamacpp_baseline.run(str(server), reqs, "model.gguf", num_threads=1, timeout_s=60)
+    assert out["output_tokens"] == sum(r.max_tokens for r in reqs) and out["output_tokens_per_s"] > 0
+    assert out["prompt_tokens"] == sum(r.prompt_len for r in reqs) and out["version"] == "version: 9 (fake)"
+    flags.write_text("--short")
+    short = llamacpp_baseline.run(str(server), reqs, "model.gguf", num_threads=1, timeout_s=60)
+    assert "output_tokens_per_s" not in short and "asked for" in short["error"]
+    missing = llamacpp_baseline.run(str(tmp_path / "nope"), reqs, "model.gguf")
+    assert "FileNotFoundError" in missing["error"]
 
 
 def test_each_pass_gets_a_distinct_first_token_and_the_same_work():
