@@ -10,7 +10,9 @@ Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
 implemented by the attention backends. A model with a window shorter than its
 context is accepted with max_position_embeddings lowered to the window: no
 sequence can then outgrow the window, so full causal attention is exact.
-`sliding_window` is therefore always None in a ModelConfig.
+`sliding_window` is therefore always None in a ModelConfig. Keys a
+config.json leaves out take transformers' defaults for its model type (a
+Mistral window of 4,096, for one), since that is what the model was run with.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# transformers' defaults where a config.json leaves a key out, by model type.
+_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_SLIDING_WINDOW = 4096  # MistralConfig's and Qwen2Config's (Qwen2 only with use_sliding_window)
+_QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2: layers from this index on slide
 
 # Extra keys each rope type needs (HF names); "default" needs none.
 _ROPE_TYPE_KEYS = {
@@ -83,7 +90,14 @@ class ModelConfig:
                 f"unsupported architecture {arch!r} (architectures={named}); "
                 f"supported model_type: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if hf.get("hidden_act", "silu") != "silu":
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if k not in hf
+        ]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # two names of x * sigmoid(x)
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
         if hf.get("mlp_bias", False):
             raise ValueError("unsupported: mlp_bias=True")
@@ -98,10 +112,8 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         rope_theta, rope_scaling = _hf_rope(hf)
-        max_pos = int(hf.get("max_position_embeddings", 2048))
-        window = hf.get("sliding_window")
-        if arch == "qwen2" and not hf.get("use_sliding_window", False):
-            window = None
+        max_pos = int(hf.get("max_position_embeddings", _MAX_POSITIONS[arch]))
+        window = _sliding_window(hf, arch)
         if window is not None and int(window) < max_pos:
             max_pos = int(window)
 
@@ -152,6 +164,10 @@ class ModelConfig:
 
         hidden = int(key("embedding_length"))
         num_heads = int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // num_heads)))
+        rotary = int(key("rope.dimension_count", head_dim))
+        if rotary != head_dim:  # llama.cpp's n_rot: rope on the first dims of each head only
+            raise ValueError(f"unsupported GGUF: partial rotary embeddings (rope over {rotary} of {head_dim} dims)")
         rope_scaling = None
         scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type == "linear":
@@ -161,6 +177,10 @@ class ModelConfig:
         if "token_embd.weight" not in tensor_shapes:
             raise ValueError("GGUF file has no token_embd.weight tensor")
         vocab = tensor_shapes["token_embd.weight"][0]
+        max_pos = int(key("context_length"))
+        window = metadata.get(f"{arch}.attention.sliding_window")  # as on the HF path: the window caps the context
+        if window and int(window) < max_pos:
+            max_pos = int(window)
         return cls(
             architecture=arch,
             model_name=model_name or str(metadata.get("general.name", "")),
@@ -170,11 +190,11 @@ class ModelConfig:
             num_hidden_layers=int(key("block_count")),
             num_attention_heads=num_heads,
             num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
-            head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // num_heads))),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(key("context_length")),
+            max_position_embeddings=max_pos,
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias=arch == "qwen2",
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -190,10 +210,49 @@ def _as_id_tuple(ids: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def _sliding_window(hf: Mapping[str, Any], arch: str) -> int | None:
+    """The window of a model whose layers slide (any of them), as transformers
+    reads it: Mistral's `sliding_window` (4,096 if absent, none if null); Qwen2's
+    only with `use_sliding_window`, on the layers `layer_types` names or, without
+    it, from `max_window_layers` on."""
+    if arch == "llama":
+        return None
+    if arch == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    window = hf.get("sliding_window", _SLIDING_WINDOW)
+    if window is None:
+        return None
+    if arch == "qwen2":
+        layer_types = hf.get("layer_types")
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = int(hf.get("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS)) < int(hf["num_hidden_layers"])
+        if not sliding:
+            return None
+    return int(window)
+
+
 def _hf_rope(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either `rope_parameters` (transformers 5) or
-    `rope_theta` + `rope_scaling` (transformers 4)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    `rope_theta` + `rope_scaling` (transformers 4). A config with both, as a
+    hand edit following a model card leaves, is read only where they agree:
+    transformers 5 takes `rope_scaling` and drops the other's theta, which is
+    seldom what the editor meant."""
+    new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if new and old:
+        read = _rope_params(hf, new), _rope_params(hf, old)
+        if read[0] != read[1]:
+            raise ValueError(
+                f"config.json has both rope_parameters {new} and rope_scaling {old}, and they disagree "
+                f"(theta and scaling {read[0]} vs {read[1]}): keep the one the model should run with"
+            )
+        return read[0]
+    return _rope_params(hf, new or old or {})
+
+
+def _rope_params(hf: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[float, dict | None]:
+    params = dict(given)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     if float(params.pop("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("unsupported: partial_rotary_factor != 1")

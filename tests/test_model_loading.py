@@ -178,6 +178,86 @@ def test_short_sliding_window_caps_context():
     assert ModelConfig.from_hf_config(qwen).max_position_embeddings == 32768
 
 
+TINY = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "mistral"},  # no sliding_window key: transformers' 4,096
+        {"model_type": "mistral", "sliding_window": None},
+        {"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 1024},
+        {"model_type": "qwen2", "use_sliding_window": True},  # no window key, no max_window_layers
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 4},
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+        {
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 64,
+            "layer_types": ["full_attention"] * 3 + ["sliding_attention"],
+        },
+        {
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 64,
+            "layer_types": ["full_attention"] * 4,
+        },
+        {"model_type": "llama"},
+    ],
+)
+def test_context_and_window_are_read_as_transformers_reads_them(config):
+    """Keys left out take transformers' defaults for the model type, and the
+    window caps the context exactly where some layer of transformers' model
+    slides: a sequence past it would attend differently there."""
+    transformers = pytest.importorskip("transformers")
+    config = {**TINY, **config}
+    hf = transformers.AutoConfig.for_model(**config)
+    sliding = getattr(hf, "sliding_window", None)
+    if hf.model_type == "qwen2" and "sliding_attention" not in hf.layer_types:
+        sliding = None
+    want = hf.max_position_embeddings if sliding is None else min(sliding, hf.max_position_embeddings)
+    assert ModelConfig.from_hf_config(config).max_position_embeddings == want
+
+
+def test_rope_parameters_beside_a_disagreeing_rope_scaling_are_refused():
+    """A model card's rope_scaling added to a transformers-5 config: the two
+    would be read differently by different readers, so neither is guessed."""
+    base = {**TINY, "model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    with pytest.raises(ValueError, match="both rope_parameters .* and rope_scaling .* disagree"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    same = {**base, "rope_theta": 1e6, "rope_scaling": {"rope_type": "default"}}
+    assert ModelConfig.from_hf_config(same).rope_theta == 1e6
+
+
+def test_missing_keys_and_other_names_of_silu():
+    with pytest.raises(ValueError, match="config.json lacks intermediate_size, vocab_size"):
+        ModelConfig.from_hf_config(
+            {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+        )
+    assert ModelConfig.from_hf_config({**TINY, "model_type": "llama", "hidden_act": "swish"}).hidden_size == 8
+
+
+def test_gguf_with_partial_rotary_embeddings_is_refused():
+    metadata = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.attention.key_length": 16,
+        "llama.rope.dimension_count": 8,
+        "llama.feed_forward_length": 128,
+        "llama.block_count": 1,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.context_length": 256,
+    }
+    shapes = {"token_embd.weight": (32, 64)}
+    with pytest.raises(ValueError, match="partial rotary embeddings .rope over 8 of 16 dims"):
+        ModelConfig.from_gguf_metadata(metadata, shapes)
+    full = ModelConfig.from_gguf_metadata({**metadata, "llama.rope.dimension_count": 16}, shapes)
+    assert full.head_dim == 16 and full.max_position_embeddings == 256
+    windowed = {**metadata, "llama.rope.dimension_count": 16, "llama.attention.sliding_window": 64}
+    assert ModelConfig.from_gguf_metadata(windowed, shapes).max_position_embeddings == 64
+
+
 @pytest.mark.parametrize(
     "bad, error",
     [
