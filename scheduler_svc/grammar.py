@@ -23,7 +23,6 @@ import asyncio
 import collections
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -80,17 +79,19 @@ def llguidance_grammar(c: Constraint) -> str:
 class GrammarMatcher:
     """One sample's position in its grammar."""
 
-    __slots__ = ("_matcher", "_width", "num_tokens")
+    __slots__ = ("_first", "_matcher", "_width", "num_tokens")
 
-    def __init__(self, matcher: llguidance.LLMatcher, width: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, width: int, first: bytes) -> None:
         self._matcher = matcher
         self._width = width
+        self._first = first  # the start state's mask, computed when the grammar compiled
         self.num_tokens = 0  # tokens consumed: always the request's output count
 
     def bitmask(self) -> bytes:
         """Packed allowed-token mask for the next sample (shared/token_mask.py layout)."""
-        mask = self._matcher.compute_bitmask()
-        return mask[: self._width] if len(mask) >= self._width else mask + bytes(self._width - len(mask))
+        if self.num_tokens == 0:
+            return self._first
+        return _fit(self._matcher.compute_bitmask(), self._width)
 
     def consume(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar does not allow it (then it stays in error)."""
@@ -110,12 +111,17 @@ class GrammarMatcher:
 class CompiledGrammar:
     """A compiled constraint: a template matcher at the start state, copied per sample."""
 
-    def __init__(self, template: llguidance.LLMatcher, width: int) -> None:
+    def __init__(self, template: llguidance.LLMatcher, width: int, first: bytes) -> None:
         self._template = template
         self._width = width
+        self._first = first
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self._width)
+        return GrammarMatcher(self._template.deep_copy(), self._width, self._first)
+
+
+def _fit(mask: bytes, width: int) -> bytes:
+    return mask[:width] if len(mask) >= width else mask + bytes(width - len(mask))
 
 
 class GrammarCompiler:
@@ -136,7 +142,10 @@ class GrammarCompiler:
         self._tokenizer_error = ""
         self._tokenizer_lock = threading.Lock()
         self._width = mask_width_bytes(vocab_size)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        # At most `workers` compiles run at once. Each runs on a daemon thread of
+        # its own: one that never ends (see compile_now) must not hold up the
+        # process's exit, as a ThreadPoolExecutor's worker would.
+        self._slots = threading.BoundedSemaphore(workers)
         self._cache: collections.OrderedDict[Constraint, asyncio.Future] = collections.OrderedDict()
         self._cache_size = cache_size
         self.timeout_s = timeout_s
@@ -157,11 +166,20 @@ class GrammarCompiler:
             return self._tokenizer
 
     def compile_now(self, constraint: Constraint) -> CompiledGrammar:
-        """Compiles on the calling thread (the pool's work; tests)."""
+        """Compiles on the calling thread (the pool's work; tests), the start
+        state's mask included: llguidance builds its lexer lazily, while
+        computing masks, and for some grammars that first build is where all
+        the time goes (`start: A B; A: /a+/; B: /a/` runs for minutes in
+        llguidance 1.9 whatever its fuel limits). Computed here, it is under
+        the compile timeout, off the event loop; on the step loop it would
+        stall every request."""
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), llguidance_grammar(constraint), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return CompiledGrammar(matcher, self._width)
+        first = _fit(matcher.compute_bitmask(), self._width)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return CompiledGrammar(matcher, self._width, first)
 
     async def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The compiled grammar, from the cache or a worker; GrammarError if it does not compile in time.
@@ -172,7 +190,7 @@ class GrammarCompiler:
         """
         future = self._cache.get(constraint)
         if future is None:
-            future = asyncio.get_running_loop().run_in_executor(self._pool, self.compile_now, constraint)
+            future = self._in_thread(constraint)
             self._cache[constraint] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -186,5 +204,27 @@ class GrammarCompiler:
                 f"{self.timeout_s:g} s (--grammar-compile-timeout); simplify it"
             ) from None
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _in_thread(self, constraint: Constraint) -> asyncio.Future:
+        """compile_now(constraint) on a daemon thread, once a slot is free; its result as a future of this loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(method, value) -> None:
+            if not future.done():
+                method(value)
+
+        def work() -> None:
+            with self._slots:
+                try:
+                    result = self.compile_now(constraint)
+                except Exception as e:  # noqa: BLE001 - handed to the awaiting request
+                    outcome = (future.set_exception, e)
+                else:
+                    outcome = (future.set_result, result)
+            try:
+                loop.call_soon_threadsafe(settle, *outcome)
+            except RuntimeError:  # the loop closed meanwhile: nobody is waiting
+                pass
+
+        threading.Thread(target=work, name="grammar", daemon=True).start()
+        return future

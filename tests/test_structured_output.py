@@ -283,7 +283,6 @@ def tiny_compiler():
     assert tok.token_to_id("<eos>") == EOS
     compiler = GrammarCompiler(tok.to_str(), 300, [EOS], timeout_s=0.2)
     yield compiler, tok
-    compiler.close()
 
 
 def test_eos_is_allowed_only_where_the_output_is_complete(tiny_compiler):
@@ -333,6 +332,45 @@ def test_compiler_caches_shares_and_times_out(tiny_compiler):
         assert len(calls) == 3
 
     asyncio.run(main())
+
+
+# The embedded model's tokenizer, a grammar whose first mask llguidance 1.9 computes
+# for minutes, and beside it a plain request's stand-in: the event loop ticking.
+STUCK_GRAMMAR_PROBE = """
+import asyncio, sys, time
+from executor_svc.model_loader import default_model_path
+from executor_svc.tokenizer_info import TokenizerInfo
+from scheduler_svc.grammar import Constraint, GrammarCompiler, GrammarTimeout
+info = TokenizerInfo.from_gguf(default_model_path())
+compiler = GrammarCompiler(info.tokenizer_json, 49152, [2], timeout_s=1.0)
+async def main():
+    ticks = []
+    async def tick():
+        while True:
+            ticks.append(time.monotonic()); await asyncio.sleep(0.05)
+    ticker = asyncio.ensure_future(tick())
+    start = time.monotonic()
+    try:
+        await compiler.compile(Constraint("lark", "start: A B\\nA: /a+/\\nB: /a/"))
+        print("compiled")
+    except GrammarTimeout:
+        print("timeout", time.monotonic() - start < 5, max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5)
+    ticker.cancel()
+asyncio.run(main())
+"""
+
+
+def test_a_grammar_whose_first_mask_never_ends_is_refused_and_blocks_nothing():
+    """Its first mask is computed while compiling, so the compile timeout
+    refuses it and the event loop (the scheduler's step loop) runs on; the
+    stuck thread is a daemon, so the process still exits."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK_GRAMMAR_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["timeout", "True", "True"], done.stdout + done.stderr
 
 
 def test_the_scheduler_with_structured_output_stays_torch_free():
