@@ -66,8 +66,11 @@ def llguidance_grammar(c: Constraint) -> str:
         if c.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(c.spec)
         if c.kind == "choice":
-            # Lark string literals take JSON's escapes.
-            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.spec)
+            # Lark string literals take JSON's escapes; its lexer also refuses a raw DEL,
+            # which JSON leaves unescaped.
+            alternatives = " | ".join(
+                json.dumps(choice, ensure_ascii=False).replace("\x7f", "\\u007f") for choice in c.spec
+            )
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
         if c.kind == "gbnf":
             return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(c.spec))

@@ -301,6 +301,17 @@ def test_eos_is_allowed_only_where_the_output_is_complete(tiny_compiler):
     assert not m.consume(tok.token_to_id("a")) and m.error and m.num_tokens == 1
 
 
+@pytest.mark.parametrize("choice", ["a\x7fb", 'q"uote\\', "tab\there", "x\x85y", "héllo"])
+def test_any_choice_text_compiles_to_exactly_itself(tiny_compiler, choice):
+    """Quotes, backslashes and control characters, DEL included (which JSON
+    leaves raw and Lark's lexer refuses), are escaped in the choice's literal."""
+    from scheduler_svc.grammar import Constraint
+
+    compiler, tok = tiny_compiler
+    m = compiler.compile_now(Constraint("choice", (choice, "no"))).matcher()
+    assert all(m.consume(t) for t in tok.encode(choice).ids) and m.is_stopped
+
+
 def test_compiler_caches_shares_and_times_out(tiny_compiler):
     """One compile per distinct constraint (concurrent ones share it), errors cached, a slow one refused."""
     from scheduler_svc.grammar import Constraint, GrammarError, GrammarTimeout
