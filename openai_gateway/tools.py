@@ -194,21 +194,19 @@ class ToolCalling:
             tool = next(t for t in self.tools if t["name"] == self.name)
             return pb.OutputConstraint(json_schema=json.dumps(tool.get("parameters") or {"type": "object"}))
         if self.mode == "required":
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t["name"]},
-                        "arguments": t.get("parameters") or {"type": "object"},
-                    },
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for t in self.tools
-            ]
-            return pb.OutputConstraint(
-                json_schema=json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
-            )
+            calls, defs = [], {}
+            for i, t in enumerate(self.tools):
+                arguments = _hoist_defs(t.get("parameters") or {"type": "object"}, f"tool{i}_", defs)
+                calls.append(
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": t["name"]}, "arguments": arguments},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                )
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            return pb.OutputConstraint(json_schema=json.dumps({**schema, **({"$defs": defs} if defs else {})}))
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
@@ -306,6 +304,36 @@ def tool_calling(body: Mapping) -> ToolCalling | None:
     if name not in {f["name"] for f in functions}:
         raise ParamError("tool_choice", f"no tool named {name!r} in tools")
     return ToolCalling("named", functions, name)
+
+
+def _hoist_defs(schema, prefix: str, defs: dict):
+    """`schema` (a tool's parameters) made to work nested inside another: its
+    `$defs`/`definitions` move to `defs` under `prefix`ed names, and its local
+    references ("#/$defs/X", "#/definitions/X", "#") follow them, since a
+    pointer resolves against the root, which is no longer this schema."""
+    if not isinstance(schema, dict):
+        return schema
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    root, to_root = f"{prefix}root", []
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith(("#/$defs/", "#/definitions/"))):
+            out["$ref"] = f"#/$defs/{root}" if ref == "#" else f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
+            to_root.append(ref == "#")
+        return out
+
+    for name, sub in own.items():
+        defs[f"{prefix}{name}"] = rewrite(sub)
+    body = rewrite(schema)
+    if any(to_root):  # it refers to itself: reachable by name too
+        defs[root] = body
+    return body
 
 
 def assistant_tool_calls(i: int, m: Mapping) -> list[Call]:

@@ -124,6 +124,52 @@ def test_tool_choices_render_tools_and_constrain_required_and_named():
     }
 
 
+def test_required_tools_keep_their_local_references():
+    """pydantic writes tool parameters with `$defs` and `$ref`s (and may refer
+    to the root, "#"): nested in the required mode's array they still resolve,
+    two tools' same-named definitions apart, and the engine compiles it."""
+    from scheduler_svc.grammar import Constraint, llguidance_grammar
+
+    address = {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+                "$defs": {
+                    "Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+                },
+            },
+        },
+    }
+    tree = {
+        "type": "function",
+        "function": {
+            "name": "tree",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "kids": {"type": "array", "items": {"$ref": "#"}},
+                    "a": {"$ref": "#/definitions/Address"},
+                },
+                "definitions": {"Address": {"type": "integer"}},
+            },
+        },
+    }
+    schema = json.loads(chat(tools=[address, tree], tool_choice="required").kwargs["constraint"].json_schema)
+    jsonschema.validate([{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}], schema)
+    jsonschema.validate([{"name": "tree", "arguments": {"a": 3, "kids": [{"a": 4, "kids": []}]}}], schema)
+    for wrong in (
+        {"name": "ship", "arguments": {"to": {"town": "Oslo"}}},
+        {"name": "tree", "arguments": {"kids": [{"a": "x"}]}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([wrong], schema)
+    assert llguidance_grammar(Constraint("json_schema", json.dumps(schema)))
+
+
 def test_earlier_tool_calls_and_results_render_into_the_conversation():
     messages = ASK + [
         {
