@@ -95,6 +95,7 @@ def run(server: str, requests, model: str, num_threads: int = 0, timeout_s: floa
             with concurrent.futures.ThreadPoolExecutor(slots) as pool:
                 answers = list(pool.map(one, requests))
             elapsed = time.perf_counter() - start
+            out_tokens = sum(a["tokens_predicted"] for a in answers)
         except (OSError, RuntimeError, TimeoutError, ValueError, KeyError) as e:
             log.seek(0)
             tail = "\n".join(log.read().splitlines()[-20:])
@@ -105,7 +106,6 @@ def run(server: str, requests, model: str, num_threads: int = 0, timeout_s: floa
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    out_tokens = sum(a["tokens_predicted"] for a in answers)
     prompt_tokens = sum(r.prompt_len for r in requests)
     want = sum(r.max_tokens for r in requests)
     if out_tokens != want:

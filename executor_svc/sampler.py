@@ -66,7 +66,7 @@ def apply_min_tokens_and_penalties(logits: torch.Tensor, md: SamplingMetadata) -
     the touched (row, token) entries are gathered, changed and written back.
     min_tokens gives way in a row where it would leave no token at all (its
     stop ids cover everything the output constraint allows): that row is
-    sampled as if min_tokens were met, rather than from nothing. A penalty
+    sampled among the tokens it masked, rather than from nothing. A penalty
     that overflows (a repetition penalty near 0) saturates at float32's
     largest value, not +inf, whose arithmetic would give NaN further on.
     """

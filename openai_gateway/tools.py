@@ -308,29 +308,36 @@ def tool_calling(body: Mapping) -> ToolCalling | None:
 
 def _hoist_defs(schema, prefix: str, defs: dict):
     """`schema` (a tool's parameters) made to work nested inside another: its
-    `$defs`/`definitions` move to `defs` under `prefix`ed names, and its local
-    references ("#/$defs/X", "#/definitions/X", "#") follow them, since a
-    pointer resolves against the root, which is no longer this schema."""
+    root `$defs`/`definitions` move to `defs` under `prefix`ed names, and its
+    local references ("#/$defs/X", "#/definitions/X", "#") follow them, since
+    a pointer resolves against the root, which is no longer this schema."""
     if not isinstance(schema, dict):
         return schema
-    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-    root, to_root = f"{prefix}root", []
+    own = {}
+    for key in ("definitions", "$defs"):
+        if isinstance(schema.get(key), dict):
+            own.update(schema[key])
+    root = prefix.rstrip("_")  # never equal to a prefixed definition's name
+    to_root = []
 
     def rewrite(node):
         if isinstance(node, list):
             return [rewrite(n) for n in node]
         if not isinstance(node, dict):
             return node
-        out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        out = {k: rewrite(v) for k, v in node.items()}
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith(("#/$defs/", "#/definitions/"))):
             out["$ref"] = f"#/$defs/{root}" if ref == "#" else f"#/$defs/{prefix}{ref.split('/', 2)[2]}"
             to_root.append(ref == "#")
         return out
 
-    for name, sub in own.items():
-        defs[f"{prefix}{name}"] = rewrite(sub)
-    body = rewrite(schema)
+    try:
+        body = rewrite({k: v for k, v in schema.items() if not (k in ("$defs", "definitions") and isinstance(v, dict))})
+        for name, sub in own.items():
+            defs[f"{prefix}{name}"] = rewrite(sub)
+    except RecursionError:
+        raise ParamError("tools", "a tool's parameters are nested too deeply") from None
     if any(to_root):  # it refers to itself: reachable by name too
         defs[root] = body
     return body

@@ -325,7 +325,7 @@ LOGPROB_FLOOR = -9999.0
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too: JSON has none
 
 
 def logprobs_json(kind: str, logprobs, text: Mapping[int, str], offset: int = 0) -> dict:

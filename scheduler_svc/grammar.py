@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import queue
 import threading
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ def _fit(mask: bytes, width: int) -> bytes:
 
 
 class GrammarCompiler:
-    """Compiles constraints in a thread pool, off the event loop, with an LRU cache."""
+    """Compiles constraints on worker threads, off the event loop, with an LRU cache."""
 
     def __init__(
         self,
@@ -145,10 +146,11 @@ class GrammarCompiler:
         self._tokenizer_error = ""
         self._tokenizer_lock = threading.Lock()
         self._width = mask_width_bytes(vocab_size)
-        # At most `workers` compiles run at once. Each runs on a daemon thread of
-        # its own: one that never ends (see compile_now) must not hold up the
-        # process's exit, as a ThreadPoolExecutor's worker would.
-        self._slots = threading.BoundedSemaphore(workers)
+        # `workers` daemon threads, started as compiles arrive, take compiles
+        # from one queue: one that never ends (see compile_now) must not hold up
+        # the process's exit, as a ThreadPoolExecutor's worker would.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers, self._started = workers, 0
         self._cache: collections.OrderedDict[Constraint, asyncio.Future] = collections.OrderedDict()
         self._cache_size = cache_size
         self.timeout_s = timeout_s
@@ -169,7 +171,7 @@ class GrammarCompiler:
             return self._tokenizer
 
     def compile_now(self, constraint: Constraint) -> CompiledGrammar:
-        """Compiles on the calling thread (the pool's work; tests), the start
+        """Compiles on the calling thread (a worker's job; tests), the start
         state's mask included: llguidance builds its lexer lazily, while
         computing masks, and for some grammars that first build is where all
         the time goes (`start: A B; A: /a+/; B: /a/` runs for minutes in
@@ -208,26 +210,29 @@ class GrammarCompiler:
             ) from None
 
     def _in_thread(self, constraint: Constraint) -> asyncio.Future:
-        """compile_now(constraint) on a daemon thread, once a slot is free; its result as a future of this loop."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        """compile_now(constraint) on a worker thread; its result as a future of this loop."""
+        future = asyncio.get_running_loop().create_future()
+        self._jobs.put((constraint, asyncio.get_running_loop(), future))
+        if self._started < self._workers:  # only the event loop's thread gets here
+            threading.Thread(target=self._work, name="grammar", daemon=True).start()
+            self._started += 1
+        return future
 
-        def settle(method, value) -> None:
-            if not future.done():
-                method(value)
-
-        def work() -> None:
-            with self._slots:
-                try:
-                    result = self.compile_now(constraint)
-                except Exception as e:  # noqa: BLE001 - handed to the awaiting request
-                    outcome = (future.set_exception, e)
-                else:
-                    outcome = (future.set_result, result)
+    def _work(self) -> None:
+        while True:
+            constraint, loop, future = self._jobs.get()
             try:
-                loop.call_soon_threadsafe(settle, *outcome)
+                outcome = (future.set_result, self.compile_now(constraint))
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting request
+                outcome = (future.set_exception, e)
+            except BaseException as e:  # noqa: BLE001 - a panic in llguidance (pyo3's PanicException)
+                outcome = (future.set_exception, GrammarError(f"the grammar compiler failed: {type(e).__name__}"))
+            try:
+                loop.call_soon_threadsafe(_settle, future, *outcome)
             except RuntimeError:  # the loop closed meanwhile: nobody is waiting
                 pass
 
-        threading.Thread(target=work, name="grammar", daemon=True).start()
-        return future
+
+def _settle(future: asyncio.Future, method, value) -> None:
+    if not future.done():
+        method(value)

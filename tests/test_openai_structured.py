@@ -168,6 +168,16 @@ def test_required_tools_keep_their_local_references():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([wrong], schema)
     assert llguidance_grammar(Constraint("json_schema", json.dumps(schema)))
+    # Only the root's definitions move: a parameter that happens to be called
+    # "definitions" stays a parameter, and a malformed $defs is left to the compiler.
+    named = {"type": "object", "properties": {"definitions": {"type": "string"}}, "required": ["definitions"]}
+    glossary = {"type": "function", "function": {"name": "glossary", "parameters": named}}
+    schema = json.loads(chat(tools=[glossary], tool_choice="required").kwargs["constraint"].json_schema)
+    jsonschema.validate([{"name": "glossary", "arguments": {"definitions": "x"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "glossary", "arguments": {}}], schema)
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "$defs": [1]}}}
+    assert chat(tools=[odd], tool_choice="required").kwargs["constraint"].json_schema
 
 
 def test_earlier_tool_calls_and_results_render_into_the_conversation():
