@@ -20,8 +20,9 @@
  * key) built from broadcasts of the key's row, up to three groups sharing
  * each broadcast (chunk_scores); the online softmax takes the row max
  * across those vectors (no horizontal reductions); p times V is again
- * broadcasts of V's row into FMAs. Keys past a row's position are masked,
- * which only the chunks crossing the diagonal need. The queries go into
+ * broadcasts of V's row into FMAs, each broadcast shared by the same groups
+ * (chunk_pv). Keys past a row's position are masked, which only the chunks
+ * crossing the diagonal need. The queries go into
  * lanes, and the outputs back into rows, as 16 x 16 register transposes.
  *
  * Over a bfloat16 cache, the bits PREFILL_DOT / PREFILL_DOT_EMULATED of
@@ -139,24 +140,29 @@ static inline __attribute__((always_inline)) __m512 chunk_softmax(const __m512 *
     return alpha;
 }
 
-/* One key chunk against one group of 16 query rows in float32: the softmax,
- * then ot[d] (vectors of this row group, stride rv) = ot[d] * alpha +
- * sum_j p[j] * V[j][d]. v: the chunk's 16 rows of this KV head (stride D). */
-static inline __attribute__((always_inline)) void chunk_group(
-    const int D, const __m512 *scores, const float *v, int64_t v_stride,
-    float *ot, int rv, __m512 pos, int k0, int masked, __m512 *m, __m512 *l)
+/* p times V for NG (1-3) groups of 16 query rows at once: ot[d] (vectors
+ * of group g at ot + 16 g, stride rv) = ot[d] * alpha[g] + sum_j p[g][j] *
+ * V[j][d]. Each broadcast of a V value feeds NG FMAs (one group at a time,
+ * every FMA needed a broadcast of its own). v: the chunk's [16][D] rows. */
+static inline __attribute__((always_inline)) void chunk_pv(const int D, const int NG, const __m512 *p,
+                                                           const __m512 *alpha, const float *v, float *ot, int rv)
 {
-    __m512 s[CHUNK];
-    const __m512 alpha = chunk_softmax(scores, pos, k0, masked, 0, m, l, s);
-    /* 8 d's at a time in registers. */
     for (int d0 = 0; d0 < D; d0 += 8) {
-        __m512 acc[8];
-        for (int dd = 0; dd < 8; dd++) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv), alpha);
-#pragma GCC unroll 16
-        for (int j = 0; j < CHUNK; j++)
+        __m512 acc[3][8];
+        for (int g = 0; g < NG; g++)
             for (int dd = 0; dd < 8; dd++)
-                acc[dd] = _mm512_fmadd_ps(_mm512_set1_ps(v[j * v_stride + d0 + dd]), s[j], acc[dd]);
-        for (int dd = 0; dd < 8; dd++) _mm512_storeu_ps(ot + (int64_t)(d0 + dd) * rv, acc[dd]);
+                acc[g][dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv + 16 * g), alpha[g]);
+#pragma GCC unroll 4
+        for (int j = 0; j < CHUNK; j++) {
+            __m512 pj[3];
+            for (int g = 0; g < NG; g++) pj[g] = p[g * CHUNK + j];
+            for (int dd = 0; dd < 8; dd++) {
+                const __m512 vb = _mm512_set1_ps(v[j * D + d0 + dd]);
+                for (int g = 0; g < NG; g++) acc[g][dd] = _mm512_fmadd_ps(vb, pj[g], acc[g][dd]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int dd = 0; dd < 8; dd++) _mm512_storeu_ps(ot + (int64_t)(d0 + dd) * rv + 16 * g, acc[g][dd]);
     }
 }
 
@@ -269,11 +275,19 @@ static inline __attribute__((always_inline)) void prefill_item(
                 chunk_scores(D, 2, kbuf, qt + g0 * 16, rv, scores);
             else
                 chunk_scores(D, 1, kbuf, qt + g0 * 16, rv, scores);
+            __m512 probs[3 * CHUNK], alpha[3];
             for (int g = g0; g < g0 + ng; g++) {
                 /* Lanes of group g hold positions >= pos0 + (16 g) / G; mask if any key may pass one. */
                 const int masked = k0 + CHUNK - 1 > pos0 + (g * 16) / G;
-                chunk_group(D, scores + (g - g0) * CHUNK, vbuf, D, ot + g * 16, rv, pos[g], k0, masked, &m[g], &l[g]);
+                alpha[g - g0] = chunk_softmax(scores + (g - g0) * CHUNK, pos[g], k0, masked, 0, &m[g], &l[g],
+                                              probs + (g - g0) * CHUNK);
             }
+            if (ng == 3)
+                chunk_pv(D, 3, probs, alpha, vbuf, ot + g0 * 16, rv);
+            else if (ng == 2)
+                chunk_pv(D, 2, probs, alpha, vbuf, ot + g0 * 16, rv);
+            else
+                chunk_pv(D, 1, probs, alpha, vbuf, ot + g0 * 16, rv);
         }
     }
     store_rows(D, out, out_tok, out_head, ot, rv, l, rows, groups, kv, G);

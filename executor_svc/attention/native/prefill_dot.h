@@ -44,24 +44,37 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(chunk_scor
     }
 }
 
-/* ot[d] = ot[d] * alpha + sum_i pp[i] . vpair[i][d]: p (rounded to bf16 by
- * chunk_softmax) packed two keys a lane, then 8 d's at a time in registers. */
+/* p times V for NG (1-3) groups of 16 rows at once: ot[d] (group g's
+ * vectors at ot + 16 g, stride rv) = ot[d] * alpha[g] + sum_i pp[g][i] .
+ * vpair[i][d], where pp packs p (rounded to bf16 by chunk_softmax) two keys
+ * a lane; 8 d's at a time in registers, each value-pair broadcast feeding
+ * NG products (as chunk_pv in paged_prefill.c). */
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(chunk_pv)(
-    const int D, const __m512 *p, const uint32_t *vpair, float *ot, int rv, __m512 alpha)
+    const int D, const int NG, const __m512 *p, const uint32_t *vpair, float *ot, int rv, const __m512 *alpha)
 {
-    __m512i pp[CHUNK / 2];
+    __m512i pp[3 * CHUNK / 2];
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int i = 0; i < CHUNK / 2; i++)
-        pp[i] = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(p[2 * i + 1]), high),
-                                _mm512_srli_epi32(_mm512_castps_si512(p[2 * i]), 16));
-    for (int d0 = 0; d0 < D; d0 += 8) {
-        __m512 acc[8];
-        for (int dd = 0; dd < 8; dd++) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv), alpha);
-#pragma GCC unroll 8
+    for (int g = 0; g < NG; g++)
         for (int i = 0; i < CHUNK / 2; i++)
+            pp[g * CHUNK / 2 + i] =
+                _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(p[g * CHUNK + 2 * i + 1]), high),
+                                _mm512_srli_epi32(_mm512_castps_si512(p[g * CHUNK + 2 * i]), 16));
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 acc[3][8];
+        for (int g = 0; g < NG; g++)
             for (int dd = 0; dd < 8; dd++)
-                acc[dd] = DOT(acc[dd], pp[i], _mm512_set1_epi32((int)vpair[i * D + d0 + dd]));
-        for (int dd = 0; dd < 8; dd++) _mm512_storeu_ps(ot + (int64_t)(d0 + dd) * rv, acc[dd]);
+                acc[g][dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (int64_t)(d0 + dd) * rv + 16 * g), alpha[g]);
+#pragma GCC unroll 2
+        for (int i = 0; i < CHUNK / 2; i++) {
+            __m512i pi[3];
+            for (int g = 0; g < NG; g++) pi[g] = pp[g * CHUNK / 2 + i];
+            for (int dd = 0; dd < 8; dd++) {
+                const __m512i vb = _mm512_set1_epi32((int)vpair[i * D + d0 + dd]);
+                for (int g = 0; g < NG; g++) acc[g][dd] = DOT(acc[g][dd], pi[g], vb);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int dd = 0; dd < 8; dd++) _mm512_storeu_ps(ot + (int64_t)(d0 + dd) * rv + 16 * g, acc[g][dd]);
     }
 }
 
@@ -130,12 +143,18 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(prefill_it
                 DOT_NAME(chunk_scores)(D, 2, kraw, qt2 + g0 * 16, rv, scale, scores);
             else
                 DOT_NAME(chunk_scores)(D, 1, kraw, qt2 + g0 * 16, rv, scale, scores);
+            __m512 p[3 * CHUNK], alpha[3];
             for (int g = g0; g < g0 + ng; g++) {
                 const int masked = k0 + CHUNK - 1 > pos0 + (g * 16) / G;
-                __m512 p[CHUNK];
-                const __m512 alpha = chunk_softmax(scores + (g - g0) * CHUNK, pos[g], k0, masked, 1, &m[g], &l[g], p);
-                DOT_NAME(chunk_pv)(D, p, vpair, ot + g * 16, rv, alpha);
+                alpha[g - g0] = chunk_softmax(scores + (g - g0) * CHUNK, pos[g], k0, masked, 1, &m[g], &l[g],
+                                              p + (g - g0) * CHUNK);
             }
+            if (ng == 3)
+                DOT_NAME(chunk_pv)(D, 3, p, vpair, ot + g0 * 16, rv, alpha);
+            else if (ng == 2)
+                DOT_NAME(chunk_pv)(D, 2, p, vpair, ot + g0 * 16, rv, alpha);
+            else
+                DOT_NAME(chunk_pv)(D, 1, p, vpair, ot + g0 * 16, rv, alpha);
         }
     }
     store_rows(D, out, out_tok, out_head, ot, rv, l, rows, groups, kv, G);
