@@ -121,11 +121,14 @@ static inline __attribute__((always_inline)) __m512 chunk_softmax(const __m512 *
                                                                   __m512 *p)
 {
     __mmask16 valid[CHUNK];
-    __m512 m_new = *m;
+    /* Four running maxima instead of one chain of 16 dependent max ops; max
+     * is exact, so m is the same either way. */
+    __m512 mx[4] = {*m, *m, *m, *m};
     for (int j = 0; j < CHUNK; j++) {
         valid[j] = masked ? _mm512_cmp_ps_mask(pos, _mm512_set1_ps((float)(k0 + j)), _CMP_GE_OQ) : (__mmask16)0xFFFF;
-        m_new = _mm512_mask_max_ps(m_new, valid[j], m_new, scores[j]);
+        mx[j % 4] = _mm512_mask_max_ps(mx[j % 4], valid[j], mx[j % 4], scores[j]);
     }
+    const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
     /* m = -inf before the first chunk: alpha = e^-87 then scales zeros. */
     const __m512 alpha = exp512(_mm512_sub_ps(*m, m_new));
     __m512 sum = _mm512_setzero_ps();
