@@ -88,9 +88,11 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
  * FMA per d. Keys go 8 at a time, so that NG x 8 sums, NG query vectors and
  * a broadcast key value fit the 32 vector registers: each broadcast then
  * feeds NG FMAs instead of one (the broadcasts were the loop's bottleneck:
- * 17 loads per 16 FMAs with one group at a time). */
+ * 17 loads per 16 FMAs with one group at a time). k: the chunk's 16 key
+ * rows, ks apart. */
 static inline __attribute__((always_inline)) void chunk_scores(const int D, const int NG, const float *k,
-                                                               const float *qt, int rv, __m512 *scores)
+                                                               const int64_t ks, const float *qt, int rv,
+                                                               __m512 *scores)
 {
     for (int h = 0; h < CHUNK; h += 8) {
         __m512 acc[3][8];
@@ -101,7 +103,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const int D, cons
             for (int g = 0; g < NG; g++) q[g] = _mm512_loadu_ps(qt + (int64_t)d * rv + 16 * g);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m512 kb = _mm512_set1_ps(k[(h + j) * D + d]);
+                const __m512 kb = _mm512_set1_ps(k[(h + j) * ks + d]);
                 for (int g = 0; g < NG; g++) acc[g][j] = _mm512_fmadd_ps(kb, q[g], acc[g][j]);
             }
         }
@@ -146,9 +148,10 @@ static inline __attribute__((always_inline)) __m512 chunk_softmax(const __m512 *
 /* p times V for NG (1-3) groups of 16 query rows at once: ot[d] (vectors
  * of group g at ot + 16 g, stride rv) = ot[d] * alpha[g] + sum_j p[g][j] *
  * V[j][d]. Each broadcast of a V value feeds NG FMAs (one group at a time,
- * every FMA needed a broadcast of its own). v: the chunk's [16][D] rows. */
+ * every FMA needed a broadcast of its own). v: the chunk's 16 rows, vs apart. */
 static inline __attribute__((always_inline)) void chunk_pv(const int D, const int NG, const __m512 *p,
-                                                           const __m512 *alpha, const float *v, float *ot, int rv)
+                                                           const __m512 *alpha, const float *v, const int64_t vs,
+                                                           float *ot, int rv)
 {
     for (int d0 = 0; d0 < D; d0 += 8) {
         __m512 acc[3][8];
@@ -160,7 +163,7 @@ static inline __attribute__((always_inline)) void chunk_pv(const int D, const in
             __m512 pj[3];
             for (int g = 0; g < NG; g++) pj[g] = p[g * CHUNK + j];
             for (int dd = 0; dd < 8; dd++) {
-                const __m512 vb = _mm512_set1_ps(v[j * D + d0 + dd]);
+                const __m512 vb = _mm512_set1_ps(v[j * vs + d0 + dd]);
                 for (int g = 0; g < NG; g++) acc[g][dd] = _mm512_fmadd_ps(vb, pj[g], acc[g][dd]);
             }
         }
@@ -257,12 +260,22 @@ static inline __attribute__((always_inline)) void prefill_item(
     const int64_t off = (int64_t)kv * D;
     int64_t krows[CHUNK];
     for (int k0 = 0; k0 < len; k0 += CHUNK) {
-        chunk_rows(krows, table, k0, len, block_size, row_len);
-        /* Copied (or widened) into [16][D] buffers even for float32: the
-         * inner loops then address every key at a constant offset from one
-         * pointer instead of 16 row pointers, which measured faster than
-         * reading the cache in place. */
-        if (bf16) {
+        const int n = chunk_rows(krows, table, k0, len, block_size, row_len);
+        /* A whole float32 chunk inside one block (k0 is a multiple of 16, so
+         * any block size that is one too) is read in place: its rows are
+         * row_len apart from one pointer. Other chunks are copied (or
+         * widened) into [16][D] buffers, so that the inner loops address
+         * every key from one pointer all the same; 16 row pointers measured
+         * slower. A partial last chunk is always copied: its rows past len
+         * repeat a real one, where the cache's would be unwritten (and
+         * 0 x NaN in PV is NaN). */
+        const float *kp = kbuf, *vp = vbuf;
+        int64_t ks = D;
+        if (!bf16 && n == CHUNK && block_size % CHUNK == 0) {
+            kp = (const float *)k_cache + krows[0] + off;
+            vp = (const float *)v_cache + krows[0] + off;
+            ks = row_len;
+        } else if (bf16) {
             widen_rows(kbuf, (const uint16_t *)k_cache, krows, off, D);
             widen_rows(vbuf, (const uint16_t *)v_cache, krows, off, D);
         } else {
@@ -273,11 +286,11 @@ static inline __attribute__((always_inline)) void prefill_item(
             __m512 scores[3 * CHUNK];
             const int ng = groups - g0 < 3 ? groups - g0 : 3;
             if (ng == 3)
-                chunk_scores(D, 3, kbuf, qt + g0 * 16, rv, scores);
+                chunk_scores(D, 3, kp, ks, qt + g0 * 16, rv, scores);
             else if (ng == 2)
-                chunk_scores(D, 2, kbuf, qt + g0 * 16, rv, scores);
+                chunk_scores(D, 2, kp, ks, qt + g0 * 16, rv, scores);
             else
-                chunk_scores(D, 1, kbuf, qt + g0 * 16, rv, scores);
+                chunk_scores(D, 1, kp, ks, qt + g0 * 16, rv, scores);
             __m512 probs[3 * CHUNK], alpha[3];
             for (int g = g0; g < g0 + ng; g++) {
                 /* Lanes of group g hold positions >= pos0 + (16 g) / G; mask if any key may pass one. */
@@ -286,11 +299,11 @@ static inline __attribute__((always_inline)) void prefill_item(
                                               probs + (g - g0) * CHUNK);
             }
             if (ng == 3)
-                chunk_pv(D, 3, probs, alpha, vbuf, ot + g0 * 16, rv);
+                chunk_pv(D, 3, probs, alpha, vp, ks, ot + g0 * 16, rv);
             else if (ng == 2)
-                chunk_pv(D, 2, probs, alpha, vbuf, ot + g0 * 16, rv);
+                chunk_pv(D, 2, probs, alpha, vp, ks, ot + g0 * 16, rv);
             else
-                chunk_pv(D, 1, probs, alpha, vbuf, ot + g0 * 16, rv);
+                chunk_pv(D, 1, probs, alpha, vp, ks, ot + g0 * 16, rv);
         }
     }
     store_rows(D, out, out_tok, out_head, ot, rv, l, rows, groups, kv, G);
