@@ -22,8 +22,8 @@
  * across those vectors (no horizontal reductions); p times V is again
  * broadcasts of V's row into FMAs, each broadcast shared by the same groups
  * (chunk_pv). Keys past a row's position are masked, which only the chunks
- * crossing the diagonal need. The queries go into
- * lanes, and the outputs back into rows, as 16 x 16 register transposes.
+ * crossing the diagonal need. The queries go into lanes, and the outputs
+ * back into rows, as 16 x 16 register transposes.
  *
  * Over a bfloat16 cache, the bits PREFILL_DOT / PREFILL_DOT_EMULATED of
  * `cache_bf16` run both products as bf16 dot products instead (prefill_dot.h:
