@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_utils import run_step
+from attention_utils import TOLERANCE, run_step
 
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_backend import CpuAttentionBackend
@@ -67,7 +67,7 @@ def run(path: str, batch) -> torch.Tensor:
     return out
 
 
-def check(path: str, batch, out: torch.Tensor, atol: float = 2e-5, rtol: float = 1e-4) -> None:
+def check(path: str, batch, out: torch.Tensor, tolerance: dict = TOLERANCE[torch.float32]) -> None:
     assert not out.isnan().any() and not out.isinf().any()
     if path == "bf16-dot-emulated":
         # as test_dot_prefills_are_attention_within_the_probabilities_rounding
@@ -77,7 +77,7 @@ def check(path: str, batch, out: torch.Tensor, atol: float = 2e-5, rtol: float =
         assert err <= 2.0**-8 * vmax + 1e-5, f"{err} against a bound of {2.0**-8 * vmax}"
     else:
         expected = batch.expected(torch.float64)
-        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+        torch.testing.assert_close(out.double(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -96,4 +96,4 @@ def test_prefill_peaked_scores_match_reference(path, head_dim, group):
     rounding (~1e-5 of |s| ~ 100) moves a weight by ~1e-5 relative, hence 1e-3 here; a
     wrong max gives inf/NaN or errors of order |V|."""
     batch = batch_for(path, head_dim, group, query_scale=40.0, seed=7 + head_dim + group)
-    check(path, batch, run(path, batch), atol=1e-3, rtol=1e-3)
+    check(path, batch, run(path, batch), dict(atol=1e-3, rtol=1e-3))
