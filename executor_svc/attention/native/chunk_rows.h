@@ -1,5 +1,5 @@
 /* Walking a request's block table 16 tokens at a time, shared by the decode
- * and prefill kernels. The including file defines CHUNK (16). */
+ * and prefill kernels, and prefetching the rows found. The including file defines CHUNK (16). */
 #ifndef PAGEDSERVE_CHUNK_ROWS_H
 #define PAGEDSERVE_CHUNK_ROWS_H
 #include <stdint.h>
@@ -27,6 +27,26 @@ static inline int chunk_rows(int64_t *rows, const int32_t *table, int t0, int le
     for (int j = n; j < CHUNK; j++)
         rows[j] = rows[0];
     return n;
+}
+
+/* The two prefetch stages of token j's slice (`bytes` from element `off` of
+ * its row, `esz` bytes an element) of K and V: from the chunk after next
+ * (rows `far`, n_far real) into L2, and from the next chunk (`next`, n_next)
+ * into L1, where L2 has it by then. The callers spread these over a chunk's
+ * V pass (paged_decode.c says why). */
+static inline void prefetch_token(const char *k_cache, const char *v_cache, const int64_t *far, int n_far,
+                                  const int64_t *next, int n_next, int j, int64_t off, int esz, int bytes)
+{
+    if (j < n_far)
+        for (int b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k_cache + (far[j] + off) * esz + b, 0, 2);  /* T1 */
+            __builtin_prefetch(v_cache + (far[j] + off) * esz + b, 0, 2);
+        }
+    if (j < n_next)
+        for (int b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k_cache + (next[j] + off) * esz + b, 0, 3);  /* T0 */
+            __builtin_prefetch(v_cache + (next[j] + off) * esz + b, 0, 3);
+        }
 }
 
 #endif

@@ -48,13 +48,14 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
     }
     const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
     const int64_t first_off = (int64_t)kv_first * NC * 16;
-    int64_t rows_a[CHUNK], rows_b[CHUNK], *rows = rows_a, *next = rows_b;
+    int64_t rows_a[CHUNK], rows_b[CHUNK], rows_c[CHUNK], *rows = rows_a, *next = rows_b, *far = rows_c;
     chunk_rows(rows, table, 0, len, block_size, row_len);
+    int n_next = CHUNK < len ? chunk_rows(next, table, CHUNK, len, block_size, row_len) : 0;
     for (int t0 = 0; t0 < len; t0 += CHUNK) {
         const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        /* The next chunk's rows, prefetched over this chunk's V pass (as decode_heads does). */
-        const int n_next = t0 + CHUNK < len ? chunk_rows(next, table, t0 + CHUNK, len, block_size, row_len) : 0;
+        /* The next two chunks' rows, prefetched over this chunk's V pass (as decode_heads does). */
+        const int n_far = t0 + 2 * CHUNK < len ? chunk_rows(far, table, t0 + 2 * CHUNK, len, block_size, row_len) : 0;
         for (int kv = 0; kv < kv_count; kv++) {
             const int64_t off = first_off + (int64_t)kv * NC * 16;
             __m512 acc[8][8];
@@ -88,11 +89,8 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
             }
             for (int j = 0; j < n; j += 2) {
                 /* Token j + 1 past the chunk's end: probability 0, row rows[0]'s (finite). */
-                for (int t = j; t < j + 2 && t < n_next; t++)
-                    for (int b = 0; b < NC * 32; b += 64) {
-                        _mm_prefetch((const char *)(kc + next[t] + off) + b, _MM_HINT_T0);
-                        _mm_prefetch((const char *)(vc + next[t] + off) + b, _MM_HINT_T0);
-                    }
+                for (int t = j; t < j + 2; t++)
+                    prefetch_token((const char *)kc, (const char *)vc, far, n_far, next, n_next, t, off, 2, NC * 32);
 #pragma GCC unroll 4
                 for (int c = 0; c < ND; c++) {
                     const __m512i va = _mm512_loadu_si512((const void *)(vc + rows[j] + off + 32 * c));
@@ -115,7 +113,9 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
         }
         int64_t *swap = rows;
         rows = next;
-        next = swap;
+        next = far;
+        far = swap;
+        n_next = n_far;
     }
     /* Dims back in order: line c's "lo" holds 0-3, 8-11, 16-19, 24-27 in its 128-bit lanes, "hi" the rest. */
     const __m512i first = unpack_order(0), second = unpack_order(1);

@@ -234,19 +234,24 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
     const int esz = bf16 ? 2 : 4;
     const int64_t first_off = (int64_t)kv_first * NC * 16;
-    int64_t rows_a[CHUNK], rows_b[CHUNK], *rows = rows_a, *next = rows_b;
+    int64_t rows_a[CHUNK], rows_b[CHUNK], rows_c[CHUNK], *rows = rows_a, *next = rows_b, *far = rows_c;
     chunk_rows(rows, table, 0, len, block_size, row_len);
+    int n_next = CHUNK < len ? chunk_rows(next, table, CHUNK, len, block_size, row_len) : 0;
     for (int t0 = 0; t0 < len; t0 += CHUNK) {
         const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        /* The next chunk's rows are in another block, which the hardware
-         * prefetcher cannot predict, so they are prefetched into L1 (T0),
-         * spread over this chunk's V pass: token j's slice of the current KV
-         * head with token j's V rows (below). Issuing all of them at once,
-         * at the chunk's start, filled the line-fill buffers and stalled the
-         * arithmetic behind them: spreading them measured 1.12x over 30 cold
-         * layers (docs/benchmarks.md). */
-        const int n_next = t0 + CHUNK < len ? chunk_rows(next, table, t0 + CHUNK, len, block_size, row_len) : 0;
+        /* Later chunks' rows are in other blocks, which the hardware
+         * prefetcher cannot predict, so they are prefetched in two stages,
+         * spread over this chunk's V pass (token j's slice of the current KV
+         * head with token j's V rows, below): the chunk after next from DRAM
+         * into L2 (T1), the next one from L2 into L1 (T0). Issuing them all
+         * at the chunk's start filled the line-fill buffers and stalled the
+         * arithmetic behind them (spreading them: 1.12x over 30 cold layers
+         * on a Xeon). With the next chunk alone prefetched straight into L1,
+         * an AMD EPYC with AVX512-BF16 read 9-12 GB/s: each T0 prefetch held
+         * an L1 miss buffer for a whole DRAM latency. The L2 stage made it
+         * 1.5-1.6x faster there (docs/optimization_log.md). */
+        const int n_far = t0 + 2 * CHUNK < len ? chunk_rows(far, table, t0 + 2 * CHUNK, len, block_size, row_len) : 0;
         for (int kv = 0; kv < kv_count; kv++) {
             const int64_t off = first_off + (int64_t)kv * NC * 16;
             __m512 acc[8][8];
@@ -280,11 +285,7 @@ static inline __attribute__((always_inline)) void decode_heads(
                 for (int c = 0; c < NC; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], alpha);
             }
             for (int j = 0; j < n; j++) {
-                if (j < n_next)
-                    for (int b = 0; b < NC * 16 * esz; b += 64) {
-                        _mm_prefetch((const char *)k_cache + (next[j] + off) * esz + b, _MM_HINT_T0);
-                        _mm_prefetch((const char *)v_cache + (next[j] + off) * esz + b, _MM_HINT_T0);
-                    }
+                prefetch_token(k_cache, v_cache, far, n_far, next, n_next, j, off, esz, NC * 16 * esz);
 #pragma GCC unroll 8
                 for (int c = 0; c < NC; c++) {
                     const __m512 v = load16(v_cache, rows[j] + off + 16 * c, bf16);
@@ -299,7 +300,9 @@ static inline __attribute__((always_inline)) void decode_heads(
         }
         int64_t *swap = rows;
         rows = next;
-        next = swap;
+        next = far;
+        far = swap;
+        n_next = n_far;
     }
     for (int hh = 0; hh < kv_count * G; hh++) {
         const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
