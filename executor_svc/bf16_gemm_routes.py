@@ -148,18 +148,41 @@ def agreeing(gemms: dict[str, Gemm], in_features: int, rows: tuple[int, ...] = C
     return kept
 
 
+def weights_outgrow_cache(weight_bytes: int, cache_bytes: int | None) -> bool:
+    """Whether a model's weights (`weight_bytes`) come from memory at every
+    step: more than the CPU's last-level cache (`cache_bytes`; None: unknown,
+    taken as 32 MiB). Then `calibrate` times each GEMM with its weight out of
+    the cache (cache_evictor), as the model will run it.
+
+    Timed with its weight hot in cache, as it first was, the BF16 blocks
+    beat the file's Q4_1 blocks at 1-2 rows on an AMD EPYC (66.8 against
+    71.2 us), while in the model, whose 269 MB of BF16 blocks come from
+    memory every step, the Q4_1 blocks (96 MB) made a one-decode step 1.39x
+    faster (docs/optimization_log.md)."""
+    return weight_bytes > (cache_bytes or 32 << 20)
+
+
+def cache_evictor(cache_bytes: int | None) -> Callable[[], None]:
+    """A sum over twice the last-level cache (None: 32 MiB), which leaves
+    none of what was there before."""
+    buffer = torch.ones(2 * (cache_bytes or 32 << 20) // 4, dtype=torch.float32)
+    return lambda: buffer.sum().item()
+
+
 def calibrate(
     gemms: dict[str, Gemm],
     in_features: int,
     rows: tuple[int, ...] = CALIBRATION_ROWS,
     reps: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    evict: Callable[[], None] | None = None,
 ) -> tuple[tuple[tuple[int, str], ...], dict[int, dict[str, float]]]:
     """(routes, times): routes as PackedWeight.bf16_routes, (from_rows, name)
     wherever the winner changes, from rows[0] on; times the median
     microseconds of each GEMM at each row count, for the log, of those
     `agreeing` keeps. Medians of `reps` calls after one warm-up call each
-    (caches, oneDNN's primitive cache)."""
+    (oneDNN's primitive cache), each after `evict()` where given
+    (cache_evictor), untimed."""
     assert "blocks" in gemms, "the BF16 blocks are the baseline every weight has"
     gemms = agreeing(gemms, in_features, rows)
     gen = torch.Generator().manual_seed(1)
@@ -170,6 +193,8 @@ def calibrate(
         runs: dict[str, list[float]] = {name: [] for name in gemms}
         for i in range(reps + 1):
             for name, gemm in gemms.items():
+                if evict is not None:
+                    evict()
                 start = clock()
                 gemm(x)
                 if i:

@@ -7,6 +7,8 @@ what --deterministic needs on CUDA. Each answer is logged where it is used.
 
 from __future__ import annotations
 
+import glob
+
 import torch
 
 from executor_svc import onednn_linear, packed_linear
@@ -24,6 +26,23 @@ def resolve_device(name: str) -> torch.device:
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: without them bf16 matmuls run ~3x slower than float32."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (one L3 instance, usually) in bytes, from sysfs; None where Linux does not say."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes) if sizes else None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear, weight_packing
+from executor_svc import bf16_gemm_routes, machine, onednn_linear, packed_linear, weight_packing
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
@@ -63,14 +63,20 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     """Which GEMM takes each row count of the model's bf16 linears
     (bf16_gemm_routes.py), measured on its largest linear shape (gate and
     up, one rank's share) at the first start on this machine and stored for
-    the next; logged with the timings it was chosen from."""
+    the next; logged with the timings it was chosen from. Timed with the
+    weight coming from memory where the model's MLP weights alone (bf16)
+    outgrow the last-level cache, as they then do in every step."""
     out_features = 2 * config.intermediate_size // tp_size
+    mlp_bytes = config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * 2 // tp_size
+    cache_bytes = machine.last_level_cache_bytes()
+    cold = bf16_gemm_routes.weights_outgrow_cache(mlp_bytes, cache_bytes)
     dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
     names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
     key = bf16_gemm_routes.machine_key(
         packed_linear.SOURCE,
-        version=2,  # of this key and of calibrate's method
+        version=3,  # of this key and of calibrate's method
         shape=[out_features, config.hidden_size],
+        cold_weights=cold,
         gguf_kind=gguf_kind,
         candidates=names,
         rows=list(bf16_gemm_routes.CALIBRATION_ROWS),
@@ -82,7 +88,8 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
             out_features, config.hidden_size, gguf_kind=gguf_kind, dot=dot, onednn=onednn
         )
         assert list(gemms) == names, f"candidates {list(gemms)} vs key {names}"
-        return bf16_gemm_routes.calibrate(gemms, config.hidden_size)
+        evict = bf16_gemm_routes.cache_evictor(cache_bytes) if cold else None
+        return bf16_gemm_routes.calibrate(gemms, config.hidden_size, evict=evict)
 
     routes, times_us, source = bf16_gemm_routes.stored_or_measured(key, measure)
     log.info(

@@ -54,6 +54,37 @@ def test_each_row_count_goes_to_the_fastest_and_bf16_activations_need_a_margin()
     assert calibrate(clear, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "dot"),)
 
 
+def test_weights_that_outgrow_the_cache_are_timed_cold():
+    """Where the model's weights outgrow the last-level cache, every timed
+    call (warm-ups included) follows an eviction, and no eviction is itself
+    timed; where they fit (or no evictor is given) nothing is evicted."""
+    assert bf16_gemm_routes.weights_outgrow_cache(64 << 20, 32 << 20)
+    assert not bf16_gemm_routes.weights_outgrow_cache(16 << 20, 32 << 20)
+    assert bf16_gemm_routes.weights_outgrow_cache(64 << 20, None)  # unknown cache: 32 MiB
+
+    clock, events = FakeClock(), []
+
+    def evict():
+        events.append("evict")
+        clock.now += 1e6  # an eviction that leaked into a timing would decide every route
+
+    def traced(name, cost):
+        gemm = clock.gemm(cost)
+        return lambda x: (events.append(name), gemm(x))[1]
+
+    gemms = {"blocks": traced("blocks", lambda r: 10.0), "gguf": traced("gguf", lambda r: 4.0)}
+    routes, times = calibrate(gemms, 64, rows=(1, 8), reps=3, clock=clock, evict=evict)
+    assert routes == ((1, "gguf"),) and times[1] == {"blocks": 10e6, "gguf": 4e6}
+    # The timing loop's events: two row counts x (1 + reps) rounds x (evict, gemm) for two gemms.
+    assert events[-32:] == ["evict", "blocks", "evict", "gguf"] * 8
+    events.clear()
+    calibrate(gemms, 64, rows=(1,), reps=1, clock=clock)
+    assert "evict" not in events
+
+    evictor = bf16_gemm_routes.cache_evictor(1 << 20)
+    evictor()  # sums its 2 MiB buffer without error
+
+
 def test_a_bf16_route_whose_product_is_wrong_is_never_chosen():
     """However fast: a dot kernel or oneDNN build that computes wrong (here a
     product off by a lost lane's worth, or NaN at one row count) is dropped
