@@ -250,7 +250,7 @@ static inline __attribute__((always_inline)) void decode_heads(
          * on a Xeon). With the next chunk alone prefetched straight into L1,
          * an AMD EPYC with AVX512-BF16 read 9-12 GB/s: each T0 prefetch held
          * an L1 miss buffer for a whole DRAM latency. The L2 stage made it
-         * 1.5-1.6x faster there (docs/optimization_log.md). */
+         * 1.7x faster there (docs/optimization_log.md). */
         const int n_far = t0 + 2 * CHUNK < len ? chunk_rows(far, table, t0 + 2 * CHUNK, len, block_size, row_len) : 0;
         for (int kv = 0; kv < kv_count; kv++) {
             const int64_t off = first_off + (int64_t)kv * NC * 16;
