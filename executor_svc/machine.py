@@ -8,6 +8,8 @@ what --deterministic needs on CUDA. Each answer is logged where it is used.
 from __future__ import annotations
 
 import glob
+import os
+from collections.abc import Iterable
 
 import torch
 
@@ -28,21 +30,41 @@ def cpu_has_fast_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache (one L3 instance, usually) in bytes, from sysfs; None where Linux does not say."""
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[:-1].isdigit() and text[-1] in units:
-            sizes.append(int(text[:-1]) * units[text[-1]])
-        elif text.isdigit():
-            sizes.append(int(text))
-    return max(sizes) if sizes else None
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cache_bytes(cpus: Iterable[int] | None = None, root: str = "/sys/devices/system/cpu") -> int | None:
+    """The bytes of L2 and L3 cache the given CPUs (default: those this
+    process may run on) reach, each cache instance counted once however
+    many CPUs share it; None where Linux does not say (no sysfs). All of it
+    is what a weight must outgrow to come from memory at every step: one L3
+    of a many-chiplet EPYC is a fraction of the CPU's, and non-inclusive L2s
+    hold data an L3 no longer does."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    seen, total = set(), 0
+    for cpu in cpus:
+        for index in glob.glob(f"{root}/cpu{cpu}/cache/index*"):
+            level, size = _read(f"{index}/level"), _read(f"{index}/size") or ""
+            if level not in ("2", "3"):
+                continue
+            key = (level, _read(f"{index}/shared_cpu_list") or f"cpu{cpu}")
+            if key in seen:
+                continue
+            seen.add(key)
+            if size[:-1].isdigit() and size[-1] in _SIZE_UNITS:
+                total += int(size[:-1]) * _SIZE_UNITS[size[-1]]
+            elif size.isdigit():
+                total += int(size)
+    return total or None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

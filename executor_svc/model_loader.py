@@ -65,16 +65,17 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     up, one rank's share) at the first start on this machine and stored for
     the next; logged with the timings it was chosen from. Timed with the
     weight coming from memory where the model's MLP weights alone (bf16)
-    outgrow the last-level cache, as they then do in every step."""
+    outgrow the CPU's caches, as they then do in every step: all ranks'
+    shares, since tensor-parallel ranks on one host share those caches."""
     out_features = 2 * config.intermediate_size // tp_size
-    mlp_bytes = config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * 2 // tp_size
-    cache_bytes = machine.last_level_cache_bytes()
+    mlp_bytes = config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * 2
+    cache_bytes = machine.cache_bytes()
     cold = bf16_gemm_routes.weights_outgrow_cache(mlp_bytes, cache_bytes)
     dot, onednn = packed_linear.kernel().bf16_dot_native, onednn_linear.available()
     names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
     key = bf16_gemm_routes.machine_key(
         packed_linear.SOURCE,
-        version=3,  # of this key and of calibrate's method
+        version=4,  # of this key and of calibrate's method
         shape=[out_features, config.hidden_size],
         cold_weights=cold,
         gguf_kind=gguf_kind,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc import bf16_gemm_routes, onednn_linear, packed_linear
+from executor_svc import bf16_gemm_routes, machine, onednn_linear, packed_linear
 from executor_svc.bf16_gemm_routes import BF16_MARGIN, calibrate, candidates
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
@@ -66,7 +66,7 @@ def test_weights_that_outgrow_the_cache_are_timed_cold():
 
     def evict():
         events.append("evict")
-        clock.now += 1e6  # an eviction that leaked into a timing would decide every route
+        clock.now += 1e6  # an eviction that leaked into a timing would show in every time
 
     def traced(name, cost):
         gemm = clock.gemm(cost)
@@ -82,7 +82,28 @@ def test_weights_that_outgrow_the_cache_are_timed_cold():
     assert "evict" not in events
 
     evictor = bf16_gemm_routes.cache_evictor(1 << 20)
-    evictor()  # sums its 2 MiB buffer without error
+    evictor()
+    evictor()
+    buffer = evictor.__closure__[0].cell_contents
+    assert buffer.numel() * buffer.element_size() == 2 << 20 and bool((buffer == 2).all())
+
+
+def test_cache_bytes_counts_each_l2_and_l3_instance_once(tmp_path):
+    """Two CPUs with their own L1d and L2 sharing one L3, and sizes in each form sysfs uses."""
+    layout = {
+        0: [("1", "48K", "0"), ("2", "2048K", "0"), ("3", "32M", "0-1")],
+        1: [("1", "48K", "1"), ("2", "2097152", "1"), ("3", "32M", "0-1")],
+    }
+    for cpu, caches in layout.items():
+        for i, (level, size, shared) in enumerate(caches):
+            d = tmp_path / f"cpu{cpu}" / "cache" / f"index{i}"
+            d.mkdir(parents=True)
+            (d / "level").write_text(level + "\n")
+            (d / "size").write_text(size + "\n")
+            (d / "shared_cpu_list").write_text(shared + "\n")
+    assert machine.cache_bytes([0, 1], root=str(tmp_path)) == (2 + 2 + 32) << 20
+    assert machine.cache_bytes([0], root=str(tmp_path)) == (2 + 32) << 20
+    assert machine.cache_bytes([0], root=str(tmp_path / "missing")) is None
 
 
 def test_a_bf16_route_whose_product_is_wrong_is_never_chosen():

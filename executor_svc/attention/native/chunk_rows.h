@@ -1,5 +1,6 @@
 /* Walking a request's block table 16 tokens at a time, shared by the decode
- * and prefill kernels, and prefetching the rows found. The including file defines CHUNK (16). */
+ * and prefill kernels; prefetching the rows found (decode). The including
+ * file defines CHUNK (16). */
 #ifndef PAGEDSERVE_CHUNK_ROWS_H
 #define PAGEDSERVE_CHUNK_ROWS_H
 #include <stdint.h>
@@ -34,8 +35,9 @@ static inline int chunk_rows(int64_t *rows, const int32_t *table, int t0, int le
  * (rows `far`, n_far real) into L2, and from the next chunk (`next`, n_next)
  * into L1, where L2 has it by then. The callers spread these over a chunk's
  * V pass (paged_decode.c says why). */
-static inline void prefetch_token(const char *k_cache, const char *v_cache, const int64_t *far, int n_far,
-                                  const int64_t *next, int n_next, int j, int64_t off, int esz, int bytes)
+static inline __attribute__((always_inline)) void
+prefetch_token(const char *k_cache, const char *v_cache, const int64_t *far, int n_far, const int64_t *next, int n_next,
+               int j, int64_t off, int esz, int bytes)
 {
     if (j < n_far)
         for (int b = 0; b < bytes; b += 64) {
