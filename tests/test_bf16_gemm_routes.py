@@ -53,6 +53,16 @@ def test_each_row_count_goes_to_the_fastest_and_bf16_activations_need_a_margin()
     clear = {"blocks": clock.gemm(lambda r: 100.0), "dot": clock.gemm(lambda r: 100.0 / BF16_MARGIN * 0.99)}
     assert calibrate(clear, 64, rows=(1, 8), reps=1, clock=clock)[0] == ((1, "dot"),)
 
+    # oneDNN costs a second copy of the weights: inside the margin it loses to the fastest other GEMM.
+    onednn_close = {
+        "blocks": clock.gemm(lambda r: 300.0),
+        "dot": clock.gemm(lambda r: 100.0),
+        "onednn": clock.gemm(lambda r: 100.0 / BF16_MARGIN * 1.001),
+    }
+    assert calibrate(onednn_close, 64, rows=(1,), reps=1, clock=clock)[0] == ((1, "dot"),)
+    onednn_clear = dict(onednn_close, onednn=clock.gemm(lambda r: 100.0 / BF16_MARGIN * 0.99))
+    assert calibrate(onednn_clear, 64, rows=(1,), reps=1, clock=clock)[0] == ((1, "onednn"),)
+
 
 def test_weights_that_outgrow_the_cache_are_timed_cold():
     """Where the model's weights outgrow the last-level cache, every timed
