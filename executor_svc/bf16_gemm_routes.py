@@ -67,6 +67,8 @@ FLOAT32_ARITHMETIC = ("blocks", "gguf")
 # product by ~2^-9 of its norm; an operand mis-paired or a lane dropped by
 # a wrong build moves it by about the norm itself.
 ROUTE_TOLERANCE = 0.02
+# The caches' size where machine.cache_bytes cannot tell (no sysfs).
+UNKNOWN_CACHE_BYTES = 32 << 20
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 Routes = tuple[tuple[int, str], ...]
@@ -158,7 +160,7 @@ def agreeing(gemms: dict[str, Gemm], in_features: int, rows: tuple[int, ...] = C
 def weights_outgrow_cache(weight_bytes: int, cache_bytes: int | None) -> bool:
     """Whether a model's weights (`weight_bytes`) come from memory at every
     step: more than the CPU's L2 and L3 caches hold (`cache_bytes`,
-    machine.cache_bytes; None: unknown, taken as 32 MiB). Then `calibrate`
+    machine.cache_bytes; None: UNKNOWN_CACHE_BYTES). Then `calibrate`
     times each GEMM with its weight out of the cache (cache_evictor), as the
     model will run it.
 
@@ -167,16 +169,16 @@ def weights_outgrow_cache(weight_bytes: int, cache_bytes: int | None) -> bool:
     71.2 us), while in the model, whose 269 MB of BF16 blocks come from
     memory every step, the Q4_1 blocks (96 MB) made a one-decode step 1.39x
     faster (docs/optimization_log.md)."""
-    return weight_bytes > (cache_bytes or 32 << 20)
+    return weight_bytes > (cache_bytes or UNKNOWN_CACHE_BYTES)
 
 
 def cache_evictor(cache_bytes: int | None) -> Callable[[], None]:
     """An update of every value of a buffer twice the caches' size (None:
-    32 MiB), run on torch's threads: written as well as read, so that
+    UNKNOWN_CACHE_BYTES), run on torch's threads: written as well as read, so that
     replacement policies that resist a read-only scan still give up most of
     what they held. Costs that buffer at the first start only (routes are
     stored)."""
-    buffer = torch.zeros(2 * (cache_bytes or 32 << 20) // 4, dtype=torch.float32)
+    buffer = torch.zeros(2 * (cache_bytes or UNKNOWN_CACHE_BYTES) // 4, dtype=torch.float32)
 
     def evict() -> None:
         buffer.add_(1.0)

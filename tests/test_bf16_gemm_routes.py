@@ -65,12 +65,12 @@ def test_each_row_count_goes_to_the_fastest_and_bf16_activations_need_a_margin()
 
 
 def test_weights_that_outgrow_the_cache_are_timed_cold():
-    """Where the model's weights outgrow the last-level cache, every timed
+    """Where the model's weights outgrow the CPU's caches, every timed
     call (warm-ups included) follows an eviction, and no eviction is itself
     timed; where they fit (or no evictor is given) nothing is evicted."""
     assert bf16_gemm_routes.weights_outgrow_cache(64 << 20, 32 << 20)
     assert not bf16_gemm_routes.weights_outgrow_cache(16 << 20, 32 << 20)
-    assert bf16_gemm_routes.weights_outgrow_cache(64 << 20, None)  # unknown cache: 32 MiB
+    assert bf16_gemm_routes.weights_outgrow_cache(64 << 20, None)  # unknown: UNKNOWN_CACHE_BYTES, 32 MiB
 
     clock, events = FakeClock(), []
 
