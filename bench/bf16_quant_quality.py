@@ -3,7 +3,7 @@
 agreement and top-5 logprob differences on real English text.
 
     .venv/bin/python -m bench.bf16_quant_quality [--model PATH.gguf] [--max-tokens 256] [--chunk 32]
-        [--int8-activations]
+        [--gguf-dot] [--int8-activations]
 
 Loads the GGUF three times through the executor's loader, as served on CPU
 (packed GEMM, KV cache in the model's dtype): bfloat16 widened with the
@@ -16,7 +16,13 @@ the logits of every position. Prints, for each pair: how often the argmax
 agrees, and |logprob difference| over the reference's top 5 tokens (mean,
 99th percentile, max).
 
---int8-activations adds a fourth load: float32 with the file's blocks and
+--gguf-dot adds a load of the first model with every weight the file keeps
+in Q4_1 on the route gguf_dot at every row count (activations rounded to
+bfloat16, the Q4_1 blocks multiplied with VDPBF16PS or, without it, its
+emulation: same arithmetic, slower), as start-up calibration routes decode
+batches on a CPU with AVX512-BF16; the head's Q8_0 keeps the float32 loop.
+
+--int8-activations adds another load: float32 with the file's blocks and
 --gguf-activations int8 (every GGUF linear takes int8 activations at any
 --chunk; a row's result does not depend on the others, so --chunk does not
 change its figures), compared with float32 beside bf16 vs float32, the
@@ -29,6 +35,7 @@ ships, as tests/conftest.py english_prompts uses), each cut at --max-tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 
 import torch
@@ -107,12 +114,22 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     }
 
 
+def route_gguf_dot(model) -> None:
+    """Every linear the file keeps in blocks onto route gguf_dot at every row
+    count (packed_linear.route sends the Q8_0 ones to gguf)."""
+    for layer in model.layers:
+        layer.packed = {n: dataclasses.replace(p, bf16_routes=((1, "gguf_dot"),)) for n, p in layer.packed.items()}
+    model._head_packed = dataclasses.replace(model._head_packed, bf16_routes=((1, "gguf_dot"),))
+    assert packed_linear.route(1, model.layers[0].packed["gate_up"]) == "gguf_dot"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--gguf-dot", action="store_true", help="also bf16 with the Q4_1 blocks on route gguf_dot")
     p.add_argument("--int8-activations", action="store_true", help="also float32 with --gguf-activations int8")
     a = p.parse_args(argv)
     torch.set_num_threads(a.num_threads)
@@ -122,6 +139,9 @@ def main(argv=None) -> None:
         "float32": (torch.float32, True, 0),
     }
     pairs = [("bf16+gguf", "bf16"), ("bf16+gguf", "float32"), ("bf16", "float32")]
+    if a.gguf_dot:
+        variants["bf16+gguf_dot"] = (torch.bfloat16, True, 0)
+        pairs += [("bf16+gguf_dot", "bf16"), ("bf16+gguf_dot", "float32"), ("bf16+gguf_dot", "bf16+gguf")]
     if a.int8_activations:
         assert packed_linear.kernel().int8_native, "--int8-activations needs AVX512-VNNI"
         variants["float32+int8"] = (torch.float32, True, packed_linear.INT8_MAX_ROWS)
@@ -131,6 +151,8 @@ def main(argv=None) -> None:
         loaded = load_model(
             a.model, dtype, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=blocks, int8_rows=int8_rows
         )
+        if name == "bf16+gguf_dot":
+            route_gguf_dot(loaded.model)
         if tokenizer is None:
             tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
             docs = [tokenizer.encode(t, add_special_tokens=False).ids[: a.max_tokens] for t in texts()]

@@ -1,7 +1,7 @@
 """Which GEMM multiplies each row count of a bfloat16 model's linear layers,
 on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), measured at start-up.
 
-A widened bfloat16 model (weight_packing.widen_bf16) has up to four GEMMs
+A widened bfloat16 model (weight_packing.widen_bf16) has up to five GEMMs
 for one weight (packed_linear.py):
 
     blocks   the native kernel over BF16 block panels, float32 arithmetic:
@@ -10,6 +10,9 @@ for one weight (packed_linear.py):
              fewer bytes to stream, the file's exact values
     dot      the kernel's VDPBF16PS loop over the BF16 blocks: activations
              rounded to bf16, twice the multiply rate of float32 FMAs
+    gguf_dot its VDPBF16PS loop over the file's blocks, where they are Q4_1:
+             the file's bytes, a few instructions per weight instead of
+             gguf's widening, activations rounded to bf16
     onednn   oneDNN's bf16 GEMM over a second copy of the weight, reordered
              once (vLLM's CPU back end does this); on AMX CPUs its tiles
 
@@ -52,7 +55,15 @@ import structlog
 import torch
 
 from executor_svc import native_build, onednn_linear
-from executor_svc.packed_linear import BLOCK_FORMATS, BLOCK_K, PackedWeight, linear, pack_bf16, pack_blocks
+from executor_svc.packed_linear import (
+    BLOCK_FORMATS,
+    BLOCK_K,
+    GGUF_DOT_KINDS,
+    PackedWeight,
+    linear,
+    pack_bf16,
+    pack_blocks,
+)
 from shared.private_dir import ensure_private_dir
 
 # Row counts timed: decode batches and prefill chunks fall between them, and
@@ -62,6 +73,9 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 # How much faster (median) a GEMM on bf16-rounded activations must be.
 BF16_MARGIN = 1.05
 FLOAT32_ARITHMETIC = ("blocks", "gguf")
+# The float32 GEMM each bf16-activation one is checked against (`agreeing`):
+# the one over the same weight.
+SAME_WEIGHT = {"dot": "blocks", "onednn": "blocks", "gguf_dot": "gguf"}
 # The most a bf16-activation product may differ from the float32 one, as a
 # fraction of its norm. Rounding the activations to bf16 (8 bits) moves a
 # product by ~2^-9 of its norm; an operand mis-paired or a lane dropped by
@@ -89,7 +103,14 @@ def _random_gguf_rows(kind: str, out_features: int, in_features: int, gen: torch
 
 def candidate_names(*, gguf_kind: str | None, dot: bool, onednn: bool) -> list[str]:
     """The GEMMs `candidates` builds, in its order: what a stored measurement's key names."""
-    return ["blocks", *(["gguf"] if gguf_kind else []), *(["dot"] if dot else []), *(["onednn"] if onednn else [])]
+    gguf_dot = dot and gguf_kind in GGUF_DOT_KINDS
+    return [
+        "blocks",
+        *(["gguf"] if gguf_kind else []),
+        *(["dot"] if dot else []),
+        *(["gguf_dot"] if gguf_dot else []),
+        *(["onednn"] if onednn else []),
+    ]
 
 
 def winner(median: dict[str, float]) -> str:
@@ -124,6 +145,8 @@ def candidates(
         packed["gguf"] = PackedWeight(None, blocks, gguf=gguf, bf16_routes=((1, "gguf"),))
     if dot:
         packed["dot"] = PackedWeight(None, blocks, bf16_routes=((1, "dot"),))
+        if gguf_kind in GGUF_DOT_KINDS:
+            packed["gguf_dot"] = PackedWeight(None, blocks, gguf=gguf, bf16_routes=((1, "gguf_dot"),))
     if onednn:
         packed["onednn"] = PackedWeight(None, blocks, onednn_linear.pack(weight), bf16_routes=((1, "onednn"),))
     return {name: (lambda x, p=p: linear(x, weight, None, p)) for name, p in packed.items()}
@@ -140,17 +163,16 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 def agreeing(gemms: dict[str, Gemm], in_features: int, rows: tuple[int, ...] = CALIBRATION_ROWS) -> dict[str, Gemm]:
     """`gemms` without the bf16-activation ones whose product, at any of
-    `rows`, is further than ROUTE_TOLERANCE from the BF16 blocks' float32
-    arithmetic over the same weight (logged as an error: a wrong kernel
-    build or CPU). The file's blocks hold a weight of their own and float32
-    arithmetic; they are not compared."""
+    `rows`, is further than ROUTE_TOLERANCE from the float32 arithmetic over
+    the same weight (SAME_WEIGHT: the BF16 blocks', or the file's blocks'
+    for gguf_dot), logged as an error: a wrong kernel build or CPU."""
     gen = torch.Generator().manual_seed(2)
     kept = dict(gemms)
     for count in rows:
         x = torch.randn(count, in_features, generator=gen)
-        reference = gemms["blocks"](x)
+        reference = {name: gemms[name](x) for name in FLOAT32_ARITHMETIC if name in gemms}
         for name in [n for n in kept if n not in FLOAT32_ARITHMETIC]:
-            error = relative_error(kept[name](x), reference)
+            error = relative_error(kept[name](x), reference[SAME_WEIGHT[name]])
             if not error <= ROUTE_TOLERANCE:
                 log.error("bf16_linear_route_disagrees", route=name, rows=count, relative_error=error)
                 del kept[name]

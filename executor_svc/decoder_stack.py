@@ -18,8 +18,8 @@ Where it applies (`DecoderStack.build` says None otherwise, and
 - a step whose every query token is a decode item of the attention kernel
   (no prefill chunk; in --deterministic mode every step qualifies);
 - every linear routed, at the step's row count, to the packed kernel
-  (panels, blocks, the BF16 blocks' dot loop, int8 activations over GGUF
-  blocks: packed_linear.route), not to MKL or oneDNN.
+  (panels, blocks, the BF16 or Q4_1 blocks' dot loops, int8 activations
+  over GGUF blocks: packed_linear.route), not to MKL or oneDNN.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ log = structlog.get_logger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "decoder_stack.c")
 LINEARS = ("qkv", "o", "gate_up", "down")
-_PANELS, _BLOCKS, _DOT, _INT8 = 0, 1, 2, 3  # ds_linear.route
-_ROUTES = ("panels", "blocks", "gguf", "dot", "int8")  # packed_linear.route's answers the driver runs
+_PANELS, _BLOCKS, _DOT, _INT8, _GGUF_DOT = 0, 1, 2, 3, 4  # ds_linear.route
+_ROUTES = ("panels", "blocks", "gguf", "dot", "int8", "gguf_dot")  # packed_linear.route's answers the driver runs
 # Steps of up to this many rows reuse one scratch buffer (decode batches);
 # larger ones (--deterministic prefills) allocate theirs per step, as the
 # Python path's activations are, so the buffer never holds a prefill's size.
@@ -73,6 +73,7 @@ class _Model(ctypes.Structure):
             "gemm_blocks",
             "gemm_bf16_dot",
             "gemm_int8",
+            "gemm_gguf_dot",
             "rms_norm",
             "rope",
             "silu_mul",
@@ -163,6 +164,7 @@ class DecoderStack:
             gemm_blocks=_address(gemm.gemm_blocks),
             gemm_bf16_dot=_address(gemm.gemm_bf16_dot),
             gemm_int8=_address(gemm.gemm_int8),
+            gemm_gguf_dot=_address(gemm.gemm_quant_bf16_dot),
             rms_norm=_address(f32.rms_norm_f32),
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),
@@ -280,8 +282,13 @@ class DecoderStack:
                 elif how == "dot":
                     linear = _Linear(packed.blocks.data.data_ptr(), bias, _DOT, 0)
                 else:
-                    blocks = {"blocks": packed.blocks, "gguf": packed.gguf, "int8": packed.gguf_blocks}[how]
-                    code = _INT8 if how == "int8" else _BLOCKS
+                    blocks = {
+                        "blocks": packed.blocks,
+                        "gguf": packed.gguf,
+                        "gguf_dot": packed.gguf,
+                        "int8": packed.gguf_blocks,
+                    }[how]
+                    code = {"int8": _INT8, "gguf_dot": _GGUF_DOT}.get(how, _BLOCKS)
                     linear = _Linear(blocks.data.data_ptr(), bias, code, BLOCK_FORMATS[blocks.kind][0])
                 setattr(entry, name, linear)
         return table, kept

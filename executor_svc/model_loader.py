@@ -75,7 +75,7 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
     key = bf16_gemm_routes.machine_key(
         packed_linear.SOURCE,
-        version=5,  # of this key and of calibrate's method
+        version=6,  # of this key and of calibrate's method
         shape=[out_features, config.hidden_size],
         cold_weights=cold,
         gguf_kind=gguf_kind,

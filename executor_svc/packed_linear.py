@@ -37,12 +37,13 @@ with integer dot products (route "int8", int8_blocks.h): llama.cpp's
 arithmetic, faster than the float paths from one row to a prefill chunk,
 outputs no longer the float32 path's.
 
-On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) two more GEMMs take
-bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16 blocks
-("dot", bf16_dot_gemm.h) and oneDNN's bf16 GEMM over a second, reordered
-copy of the weight ("onednn", onednn_linear.py). Which of them, the BF16
-blocks or the file's blocks takes each row count is measured at start-up
-(bf16_gemm_routes.py) and kept in `PackedWeight.bf16_routes`.
+On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) three more GEMMs
+take bfloat16 activations: the kernel's VDPBF16PS loop over the same BF16
+blocks ("dot", bf16_dot_gemm.h), its VDPBF16PS loop over the file's Q4_1
+blocks ("gguf_dot", q4_dot_gemm.h) and oneDNN's bf16 GEMM over a second,
+reordered copy of the weight ("onednn", onednn_linear.py). Which of them,
+the BF16 blocks or the file's blocks takes each row count is measured at
+start-up (bf16_gemm_routes.py) and kept in `PackedWeight.bf16_routes`.
 
 Batch invariance (--deterministic, docs/determinism.md): the kernel sums
 every output over k in one fixed FMA chain per row, whatever M, the row
@@ -77,6 +78,7 @@ class _Kernel:
     gemm_blocks: ctypes._CFuncPtr
     gemm_bf16_dot: ctypes._CFuncPtr
     gemm_int8: ctypes._CFuncPtr
+    gemm_quant_bf16_dot: ctypes._CFuncPtr
     quantize_int8: ctypes._CFuncPtr
     panel_width: int  # output columns per packed panel
     bf16_dot_native: bool  # VDPBF16PS built and on this CPU; else the dot kernel is emulated
@@ -94,6 +96,7 @@ def kernel() -> _Kernel | None:
         lib.packed_gemm_quant,
         lib.packed_gemm_bf16_dot,
         lib.packed_gemm_quant_int8,
+        lib.packed_gemm_quant_bf16_dot,
         lib.quantize_rows_int8,
         lib.packed_gemm_panel_width(),
         lib.packed_gemm_bf16_dot_native() == 1,
@@ -257,15 +260,18 @@ class PackedWeight:
 
 
 # What bf16_routes may name: the kernel over the BF16 blocks (float32
-# arithmetic), over the file's blocks, its VDPBF16PS loop, or oneDNN.
-BF16_ROUTES = ("blocks", "gguf", "dot", "onednn")
+# arithmetic), over the file's blocks, its VDPBF16PS loop over either
+# (the file's only where they are Q4_1), or oneDNN.
+BF16_ROUTES = ("blocks", "gguf", "dot", "gguf_dot", "onednn")
+GGUF_DOT_KINDS = ("Q4_1",)
 
 
 def route(rows: int, packed: PackedWeight | None) -> str:
     """Which GEMM multiplies `rows` rows: "blocks" (the kernel over `packed.blocks`),
     "gguf" (over `packed.gguf`), "int8" (int8 activations over the GGUF blocks,
     where `packed.int8_rows` allows), "dot" (the bf16 dot-product kernel over
-    `packed.blocks`), "panels", "onednn" or "torch" (MKL)."""
+    `packed.blocks`), "gguf_dot" (over `packed.gguf`), "panels", "onednn" or
+    "torch" (MKL)."""
     if packed is not None and 1 <= rows <= packed.int8_rows:
         return "int8"
     return _float_route(rows, packed)
@@ -280,8 +286,12 @@ def _float_route(rows: int, packed: PackedWeight | None) -> str:
             for from_rows, name in packed.bf16_routes:
                 if rows >= from_rows:
                     how = name
-            # A weight the file does not keep in blocks, or kept no oneDNN copy of, reads its BF16 blocks.
-            if (how == "gguf" and packed.gguf is None) or (how == "onednn" and packed.onednn is None):
+            # A weight the file keeps in blocks the dot loop cannot read (the
+            # head's Q8_0) takes the float32 loop over them; one it does not
+            # keep in blocks, or kept no oneDNN copy of, reads its BF16 blocks.
+            if how == "gguf_dot" and packed.gguf is not None and packed.gguf.kind not in GGUF_DOT_KINDS:
+                how = "gguf"
+            if (how in ("gguf", "gguf_dot") and packed.gguf is None) or (how == "onednn" and packed.onednn is None):
                 how = "blocks"
             if how != "blocks":
                 return how
@@ -308,6 +318,8 @@ def linear(
         return onednn_linear.linear(x, packed.onednn, bias)
     if how == "dot":
         return _bf16_dot(x, weight, bias, packed.blocks)
+    if how == "gguf_dot":
+        return _gguf_dot(x, weight, bias, packed.gguf)
     out_features, in_features = weight.shape
     assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
         f"packed linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
@@ -386,6 +398,38 @@ def _bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         torch.get_num_threads(),
     )
     assert status == 0, f"packed_gemm_bf16_dot returned {status} for {out_features}x{in_features}"
+    return out
+
+
+def _gguf_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: BlockPanels) -> torch.Tensor:
+    """x [M, in] rounded to bfloat16 @ the file's Q4_1 blocks (+ bias) ->
+    float32 [M, out] through the kernel's VDPBF16PS loop over them
+    (q4_dot_gemm.h); only where the CPU has the instruction."""
+    out_features, in_features = weight.shape
+    assert x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32, (
+        f"gguf_dot linear: input {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)}"
+    )
+    assert blocks.kind in GGUF_DOT_KINDS and (blocks.out_features, blocks.in_features) == (out_features, in_features)
+    assert bias is None or (bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == (out_features,))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    k = kernel()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    status = k.gemm_quant_bf16_dot(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data.data_ptr(),
+        BLOCK_FORMATS[blocks.kind][0],
+        None if bias is None else bias.data_ptr(),
+        x.shape[0],
+        out_features,
+        in_features,
+        int(k.bf16_dot_native),
+        torch.get_num_threads(),
+    )
+    assert status == 0, f"packed_gemm_quant_bf16_dot returned {status} for {out_features}x{in_features}"
     return out
 
 

@@ -66,18 +66,29 @@ def english_prompts() -> list[str]:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _tiny_qwen2_gguf(tmp_path_factory, kind: str) -> str:
+    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp(f"tiny_gguf_{kind}")
+    hf = save_tiny_hf_model(
+        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
+    )
+    path = str(folder / f"tiny.{kind}.gguf")
+    save_tiny_gguf(hf, path, kind)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> str:
     """A tiny random Qwen2 (qkv bias, head_dim 64, so the native decode kernel's
     AVX-512 path runs) saved as a Q8_0 GGUF: GGUF blocks, float32 panels and,
     for bfloat16, BF16 blocks all take part (test_deterministic.py,
     test_decoder_stack.py)."""
-    from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
+    return _tiny_qwen2_gguf(tmp_path_factory, "Q8_0")
 
-    folder = tmp_path_factory.mktemp("tiny_gguf")
-    hf = save_tiny_hf_model(
-        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
-    )
-    path = str(folder / "tiny.Q8_0.gguf")
-    save_tiny_gguf(hf, path, "Q8_0")
-    return path
+
+@pytest.fixture(scope="session")
+def tiny_gguf_q4_1(tmp_path_factory) -> str:
+    """The same tiny Qwen2 in Q4_1 blocks, which the Q4_1 dot kernel reads
+    (route gguf_dot, test_decoder_stack.py)."""
+    return _tiny_qwen2_gguf(tmp_path_factory, "Q4_1")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor_svc import bf16_gemm_routes, machine, onednn_linear, packed_linear
-from executor_svc.bf16_gemm_routes import BF16_MARGIN, calibrate, candidates
+from executor_svc.bf16_gemm_routes import BF16_MARGIN, calibrate, candidate_names, candidates
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
 
@@ -151,14 +151,47 @@ def test_a_bf16_route_whose_product_is_wrong_is_never_chosen():
     assert calibrate(rounded, 64, rows=(1, 16), reps=1, clock=clock)[0] == ((1, "dot"),)
 
 
+def test_the_q4_1_dot_loop_is_checked_against_the_files_blocks():
+    """gguf_dot multiplies the file's blocks, not the BF16 ones: it is kept
+    where it agrees with gguf's product (however far both are from the BF16
+    blocks'), dropped where it does not."""
+    from structlog.testing import capture_logs
+
+    clock = FakeClock()
+    weight = torch.randn(8, 64, dtype=torch.float64)
+
+    def exact(x):
+        return (x.double() @ weight.T).float()
+
+    def own(x):  # the file's weight: another weight altogether
+        return -exact(x)
+
+    for gguf_dot, kept in ((lambda x: own(x.bfloat16().float()), True), (exact, False)):
+        gemms = {
+            "blocks": clock.gemm(lambda r: 10.0, exact),
+            "gguf": clock.gemm(lambda r: 9.0, own),
+            "gguf_dot": clock.gemm(lambda r: 1.0, gguf_dot),
+        }
+        with capture_logs() as logs:
+            routes, times = calibrate(gemms, 64, rows=(1,), reps=1, clock=clock)
+        assert routes == (((1, "gguf_dot"),) if kept else ((1, "gguf"),))
+        assert ("gguf_dot" in times[1]) == kept
+        assert [e["route"] for e in logs if e["event"] == "bf16_linear_route_disagrees"] == (
+            [] if kept else ["gguf_dot"]
+        )
+
+
 @pytest.mark.parametrize("gguf_kind", [None, "Q4_1", "Q8_0"])
 def test_candidates_compute_the_same_product(gguf_kind):
     """Each candidate multiplies the same random weight (the file's blocks:
     random codes of their own, only shaped alike), by the route it names."""
-    gemms = candidates(96, 64, gguf_kind=gguf_kind, dot=True, onednn=onednn_linear.available())
-    assert set(gemms) == {"blocks", "dot"} | ({"gguf"} if gguf_kind else set()) | (
-        {"onednn"} if onednn_linear.available() else set()
-    )
+    onednn = onednn_linear.available()
+    gemms = candidates(96, 64, gguf_kind=gguf_kind, dot=True, onednn=onednn)
+    names = candidate_names(gguf_kind=gguf_kind, dot=True, onednn=onednn)
+    assert list(gemms) == names
+    assert set(names) == {"blocks", "dot"} | ({"gguf"} if gguf_kind else set()) | (
+        {"gguf_dot"} if gguf_kind == "Q4_1" else set()  # the dot loop reads Q4_1 blocks only
+    ) | ({"onednn"} if onednn else set())
     x = torch.randn(5, 64)
     reference = gemms["blocks"](x)
     assert reference.shape == (5, 96) and reference.isfinite().all()
@@ -167,6 +200,9 @@ def test_candidates_compute_the_same_product(gguf_kind):
             torch.testing.assert_close(gemms[name](x), reference, rtol=0, atol=0.05 * reference.abs().max().item())
     if gguf_kind:
         assert gemms["gguf"](x).isfinite().all()
+    if "gguf_dot" in gemms:  # the file's weight, its own: the gguf route's product within bf16 rounding
+        own = gemms["gguf"](x)
+        torch.testing.assert_close(gemms["gguf_dot"](x), own, rtol=0, atol=0.05 * own.abs().max().item())
     routes, times = calibrate(gemms, 64, rows=(1, 16), reps=1)
     assert routes[0][0] == 1 and set(times) == {1, 16} and set(times[16]) == set(gemms)
 

@@ -99,24 +99,27 @@ INT8 = NATIVE and packed_linear.kernel().int8_native
 
 
 @pytest.mark.parametrize(
-    "dtype, routed, how",
+    "model, dtype, routed, how",
     [
         # A bfloat16 model routed to the dot kernel, as on a CPU with AVX512-BF16
         # (emulated here where the CPU lacks it): the stack rounds activations
         # to bfloat16 as packed_linear._bf16_dot does.
-        (torch.bfloat16, {"bf16_routes": ((1, "dot"),)}, "dot"),
+        ("tiny_gguf", torch.bfloat16, {"bf16_routes": ((1, "dot"),)}, "dot"),
+        # And to the dot kernel over the file's Q4_1 blocks, which rounds them itself.
+        ("tiny_gguf_q4_1", torch.bfloat16, {"bf16_routes": ((1, "gguf_dot"),)}, "gguf_dot"),
         # --gguf-activations int8: the stack calls the same quantising kernel.
         pytest.param(
+            "tiny_gguf",
             torch.float32,
             {"int8_rows": 32},
             "int8",
             marks=pytest.mark.skipif(not INT8, reason="int8 activations need AVX512-VNNI"),
         ),
     ],
-    ids=["bf16-dot", "int8"],
+    ids=["bf16-dot", "bf16-gguf-dot", "int8"],
 )
-def test_stack_runs_the_other_packed_routes_as_python_does(tiny_gguf, dtype, routed, how):
-    native, python = runner_pair(tiny_gguf, dtype, batch_invariant=False)
+def test_stack_runs_the_other_packed_routes_as_python_does(request, model, dtype, routed, how):
+    native, python = runner_pair(request.getfixturevalue(model), dtype, batch_invariant=False)
     for layer in native.model.layers:
         layer.packed = {name: replace(p, **routed) for name, p in layer.packed.items()}
     assert packed_linear.route(3, native.model.layers[0].packed["qkv"]) == how

@@ -13,7 +13,8 @@
  * Scope (decoder_stack.py decides, per step): float32 activations, a float32
  * or bfloat16 KV cache, every linear on a packed route (GGUF or BF16 blocks:
  * packed_gemm_quant; float32 panels: packed_gemm; the BF16 blocks' dot
- * kernel: packed_gemm_bf16_dot; int8 activations: packed_gemm_quant_int8),
+ * kernel: packed_gemm_bf16_dot; the Q4_1 blocks' dot kernel:
+ * packed_gemm_quant_bf16_dot; int8 activations: packed_gemm_quant_int8),
  * and every query token a
  * decode item of paged_decode_attention (decode-only steps, and every step of
  * --deterministic, whose prefill tokens are decode items too). Anything else
@@ -33,6 +34,8 @@ typedef int (*gemm_blocks_fn)(float *c, int64_t ldc, const float *a, int64_t lda
                               const float *bias, int M, int N, int K, int num_threads);
 typedef int (*gemm_bf16_dot_fn)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                                 const float *bias, int M, int N, int K, int native, int num_threads);
+typedef int (*gemm_blocks_dot_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                                  const float *bias, int M, int N, int K, int native, int num_threads);
 typedef void (*rms_norm_fn)(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,
                             int64_t ld_delta, const float *w, int rows, int dim, float eps, int num_threads);
 typedef void (*rope_fn)(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const float *sin_signed,
@@ -51,13 +54,13 @@ typedef int (*decode_attention_fn)(void *out, int64_t out_tok_stride, int64_t ou
                                    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_seq_len,
                                    float scale, int num_threads);
 
-enum { DS_PANELS = 0, DS_BLOCKS = 1, DS_DOT = 2, DS_INT8 = 3 };
+enum { DS_PANELS = 0, DS_BLOCKS = 1, DS_DOT = 2, DS_INT8 = 3, DS_GGUF_DOT = 4 };
 
 typedef struct {
-    const void *weights; /* float32 panels (DS_PANELS) or block panels (DS_BLOCKS, DS_INT8; DS_DOT: BF16) */
+    const void *weights; /* float32 panels (DS_PANELS) or block panels (DS_BLOCKS, DS_INT8, DS_GGUF_DOT; DS_DOT: BF16) */
     const float *bias;   /* or NULL */
-    int64_t route;       /* DS_PANELS, DS_BLOCKS, DS_DOT or DS_INT8 */
-    int64_t fmt;         /* the block format (DS_BLOCKS, DS_INT8) */
+    int64_t route;       /* DS_PANELS, DS_BLOCKS, DS_DOT, DS_INT8 or DS_GGUF_DOT */
+    int64_t fmt;         /* the block format (DS_BLOCKS, DS_INT8, DS_GGUF_DOT) */
 } ds_linear;
 
 typedef struct {
@@ -71,6 +74,7 @@ typedef struct {
     gemm_blocks_fn gemm_blocks;
     gemm_bf16_dot_fn gemm_bf16_dot;
     gemm_blocks_fn gemm_int8; /* packed_gemm_quant_int8: int8 activations over Q4_1/Q8_0 blocks */
+    gemm_blocks_dot_fn gemm_gguf_dot; /* packed_gemm_quant_bf16_dot: bf16 activations over Q4_1 blocks */
     rms_norm_fn rms_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
@@ -80,7 +84,7 @@ typedef struct {
     int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
     int64_t kv_bf16;    /* the cache's dtype: 1 bfloat16, 0 float32 */
     int64_t attention_flags; /* paged_decode_attention's `bf16` bits: the cache's, and the decode route's */
-    int64_t bf16_dot_native; /* packed_gemm_bf16_dot's `native` (VDPBF16PS, else its emulation) */
+    int64_t bf16_dot_native; /* the dot kernels' `native` (VDPBF16PS, else its emulation) */
     int64_t num_slots;  /* blocks x block_size */
     double eps, scale;
 } ds_model;
@@ -138,6 +142,9 @@ static int linear(const ds_model *m, const ds_linear *w, float *out, const float
     }
     if (w->route == DS_INT8)
         return m->gemm_int8(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
+    if (w->route == DS_GGUF_DOT) /* rounds x to bfloat16 itself, as packed_linear._gguf_dot has it do */
+        return m->gemm_gguf_dot(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, (int)m->bf16_dot_native,
+                                threads);
     if (w->route == DS_BLOCKS)
         return m->gemm_blocks(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
     return m->gemm_panels(out, n, x, k, w->weights, w->bias, rows, n, k, threads);
@@ -219,6 +226,7 @@ static const struct {
     FIELD(ds_layer, v_cache), FIELD(ds_layer, qkv), FIELD(ds_layer, o), FIELD(ds_layer, gate_up),
     FIELD(ds_layer, down),
     SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot), FIELD(ds_model, gemm_int8),
+    FIELD(ds_model, gemm_gguf_dot),
     FIELD(ds_model, rms_norm),
     FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write_bf16), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),

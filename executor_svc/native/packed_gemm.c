@@ -369,7 +369,7 @@ int quantize_rows_int8(int8_t *q, float *scale, float *sum, const float *a, int6
 {
     if (K <= 0 || K % QK != 0)
         return -3;
-    int32_t *bias128 = int8_scratch_bytes((size_t)M * (K / QK) * sizeof(int32_t));
+    int32_t *bias128 = row_scratch_bytes((size_t)M * (K / QK) * sizeof(int32_t));
     if (!bias128)
         return -1;
     quantize_rows(q, scale, sum, bias128, a, lda, M, K, 1);
@@ -394,7 +394,7 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
     /* rows | q [M][K] | d, s [M][nb] | bias128 [M][nb], each 64-byte aligned */
     const size_t rows_bytes = ((size_t)M * sizeof(struct int8_row) + 63) / 64 * 64;
     const size_t q_bytes = ((size_t)M * K + 63) / 64 * 64, f_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
-    char *scratch = int8_scratch_bytes(rows_bytes + q_bytes + 3 * f_bytes);
+    char *scratch = row_scratch_bytes(rows_bytes + q_bytes + 3 * f_bytes);
     if (!scratch)
         return -1;
     struct int8_row *x = (struct int8_row *)scratch;
@@ -433,6 +433,47 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 #undef DOT
 #endif
 
+/* The VDPBF16PS loop over Q4_1 blocks (q4_dot_gemm.h), twice in the same
+ * way; its in-lane byte shuffles need AVX512-BW, which every CPU with
+ * AVX512-BF16 has. */
+#ifdef __AVX512BW__
+#define Q4DOT_TILE_ROWS 4
+#include "bf16.h"
+
+/* Each row of a [M, K] rounded to bfloat16 (bf16.h: torch's rounding) into
+ * xb [M][K], and each block of 32 of those values summed in float32 into
+ * xs [M][K/32]: q4_dot_gemm.h's activations. */
+static void bf16_rows_with_sums(uint16_t *xb, float *xs, const float *a, int64_t lda, int M, int K)
+{
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < K / QK; b++) {
+            const float *x = a + r * lda + b * QK;
+            const __m256i lo = bf16_round(_mm512_loadu_ps(x)), hi = bf16_round(_mm512_loadu_ps(x + 16));
+            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK), lo);
+            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK + 16), hi);
+            xs[(int64_t)r * (K / QK) + b] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_widen(lo), bf16_widen(hi)));
+        }
+}
+
+#define DOT_NAME(x) x##_dot_emulated
+#define DOT_TARGET
+#define DOT(acc, a, b) dot_emulated(acc, a, b)
+#include "q4_dot_gemm.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+
+#ifdef HAVE_NATIVE_DOT
+#define DOT_NAME(x) x##_dot_native
+#define DOT_TARGET DOT_NATIVE_TARGET
+#define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
+#include "q4_dot_gemm.h"
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
+#endif
+#endif
+
 /* 1 where this build has the VDPBF16PS kernel and this CPU runs it. */
 int packed_gemm_bf16_dot_native(void)
 {
@@ -462,6 +503,44 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
     }
     gemm_dot_emulated(c, ldc, a, lda, blocks, bias, M, N, K, num_threads);
     return 0;
+}
+
+/* C = bf16(A) @ W^T (+ bias) over Q4_1 block panels (q4_dot_gemm.h), A
+ * float32 [M, K] with row stride lda, rounded to bfloat16 here; `native`
+ * picks VDPBF16PS (0 = emulated). Returns 0; -2 if native is asked for where
+ * packed_gemm_bf16_dot_native() is 0, or the build lacks AVX512-BW; -3 for
+ * a format other than Q4_1 or a K the blocks cannot hold; -1 if the scratch
+ * for the rounded rows cannot be allocated. */
+int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                               const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    if (fmt != FMT_Q4_1 || K <= 0 || K % QK != 0)
+        return -3;
+#ifdef __AVX512BW__
+    if (native && !packed_gemm_bf16_dot_native())
+        return -2;
+    if (M <= 0 || N <= 0)
+        return 0;
+    const size_t xb_bytes = ((size_t)M * K * sizeof(uint16_t) + 63) / 64 * 64;
+    char *scratch = row_scratch_bytes(xb_bytes + (size_t)M * (K / QK) * sizeof(float));
+    if (!scratch)
+        return -1;
+    uint16_t *xb = (uint16_t *)scratch;
+    float *xs = (float *)(scratch + xb_bytes);
+    bf16_rows_with_sums(xb, xs, a, lda, M, K);
+#ifdef HAVE_NATIVE_DOT
+    if (native) {
+        q4_gemm_dot_native(c, ldc, xb, xs, blocks, bias, M, N, K, num_threads);
+        return 0;
+    }
+#endif
+    q4_gemm_dot_emulated(c, ldc, xb, xs, blocks, bias, M, N, K, num_threads);
+    return 0;
+#else
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)native;
+    (void)num_threads;
+    return -2; /* K is checked above */
+#endif
 }
 
 #else /* no AVX-512: the loader sees a panel width of 0 and keeps torch's GEMM */
@@ -506,6 +585,14 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)K; (void)native;
     (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
+                               const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
+    (void)native; (void)num_threads;
     return -1;
 }
 
