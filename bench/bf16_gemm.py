@@ -9,7 +9,8 @@ on random weights of SmolLM2-135M's four linear shapes (qkv, o, gate+up,
 down), each with 30 copies so that every call reads its weights from DRAM as
 a decode step does (the 30 layers): "blocks" (the native kernel over BF16
 blocks, float32 arithmetic), "gguf" (over Q4_1/Q8_0 blocks), "dot"
-(VDPBF16PS over the BF16 blocks), "onednn" (oneDNN's bf16 GEMM), and
+(VDPBF16PS over the BF16 blocks), "gguf_dot" (VDPBF16PS over Q4_1 blocks),
+"onednn" (oneDNN's bf16 GEMM), and
 "torch" (F.linear in bf16, what a bf16 model without PagedServe's kernels
 runs). Per row count: the median time of one pass over the 30 layers'
 four linears, candidates alternated within each repetition, GFLOP/s, and

@@ -44,7 +44,7 @@ def representation_bytes(how: str, weight: torch.Tensor, packed: PackedWeight | 
         return tensor_bytes(packed.panels)
     if how in ("blocks", "dot"):
         return packed.blocks.nbytes
-    if how == "gguf":
+    if how in ("gguf", "gguf_dot"):
         return packed.gguf.nbytes
     if how == "int8":
         return packed.gguf_blocks.nbytes
