@@ -68,8 +68,12 @@ from shared.private_dir import ensure_private_dir
 
 # Row counts timed: decode batches and prefill chunks fall between them, and
 # take the route of the largest one at or below them (2,048: a full prefill
-# chunk, so that no route is extrapolated to one).
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
+# chunk, so that no route is extrapolated to one). 5 is the first row count
+# past the float32 block loop's register tile (FUSED_MAX_ROWS = 4 in
+# fused_blocks.h), where that loop slows by ~1.8x: timed at 4 and 8 only,
+# the Q8_0 head of SmolLM2 took it at 5-7 rows (2.97 against 1.88 ms for the
+# dot kernel at 5 rows on an AMD EPYC).
+CALIBRATION_ROWS = (1, 2, 4, 5, 8, 16, 32, 64, 128, 256, 512, 2048)
 # How much faster (median) a GEMM on bf16-rounded activations must be.
 BF16_MARGIN = 1.05
 FLOAT32_ARITHMETIC = ("blocks", "gguf")

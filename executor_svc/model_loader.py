@@ -7,6 +7,7 @@ None                     -> the embedded SmolLM2-135M-Instruct GGUF
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -60,13 +61,14 @@ def open_checkpoint(path: str | None):
 
 
 def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tuple[int, str], ...]:
-    """Which GEMM takes each row count of the model's bf16 linears
-    (bf16_gemm_routes.py), measured on its largest linear shape (gate and
-    up, one rank's share) at the first start on this machine and stored for
-    the next; logged with the timings it was chosen from. Timed with the
-    weight coming from memory where the model's MLP weights alone (bf16)
-    outgrow the CPU's caches, as they then do in every step: all ranks'
-    shares, since tensor-parallel ranks on one host share those caches."""
+    """Which GEMM takes each row count of the model's bf16 linears whose
+    file blocks are `gguf_kind` (None: none; bf16_gemm_routes.py), measured
+    on its largest linear shape (gate and up, one rank's share) at the
+    first start on this machine and stored for the next; logged with the
+    timings it was chosen from. Timed with the weight coming from memory
+    where the model's MLP weights alone (bf16) outgrow the CPU's caches, as
+    they then do in every step: all ranks' shares, since tensor-parallel
+    ranks on one host share those caches."""
     out_features = 2 * config.intermediate_size // tp_size
     mlp_bytes = config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * 2
     cache_bytes = machine.cache_bytes()
@@ -95,21 +97,13 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     routes, times_us, source = bf16_gemm_routes.stored_or_measured(key, measure)
     log.info(
         "bf16_linear_route",
+        gguf_kind=gguf_kind,
         routes=[f"{how} from {rows} rows" for rows, how in routes],
         source=source,
         shape=[out_features, config.hidden_size],
         median_us={str(rows): t for rows, t in times_us.items()},
     )
     return routes
-
-
-def _gguf_kind(checkpoint, gguf_blocks: bool) -> str | None:
-    """The block format of the file's gate projection, which the routes are
-    measured with, where the model keeps the file's blocks."""
-    if not gguf_blocks or not isinstance(checkpoint, GGUFCheckpoint):
-        return None
-    found = checkpoint.blocks("model.layers.0.mlp.gate_proj.weight")
-    return found[0] if found is not None and found[0] in ("Q4_1", "Q8_0") else None
 
 
 def load_model(
@@ -152,9 +146,10 @@ def load_model(
         weight_packing.apply(
             model,
             checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
-            bf16_routes=measure_bf16_routes(checkpoint.config, tp_size, _gguf_kind(checkpoint, gguf_blocks))
+            # Measured for each kind of file blocks the weights turn out to have.
+            bf16_routes=functools.cache(functools.partial(measure_bf16_routes, checkpoint.config, tp_size))
             if bf16_routes
-            else (),
+            else weight_packing.no_routes,
             batch_invariant=batch_invariant,
             int8_rows=int8_rows,
         )

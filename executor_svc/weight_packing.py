@@ -38,17 +38,27 @@ from executor_svc.rope import rope_cache
 
 # GGUFCheckpoint.blocks: (kind, uint8 rows) of a tensor the file keeps in blocks, else None.
 BlockSource = Callable[[str], tuple[str, torch.Tensor] | None]
+# The measured bf16 routes (bf16_gemm_routes.py) of a weight whose file
+# blocks are of this kind (None: no file blocks): the float32 loop over
+# Q8_0 blocks and the dot loop, which reads Q4_1 only, win at other row
+# counts than over Q4_1, so each kind is measured for itself.
+RoutesByKind = Callable[[str | None], tuple[tuple[int, str], ...]]
+
+
+def no_routes(kind: str | None) -> tuple[tuple[int, str], ...]:
+    """RoutesByKind where nothing was measured: the widened model's defaults."""
+    return ()
 
 
 def apply(
     model: LlamaForCausalLM,
     blocks: BlockSource | None = None,
-    bf16_routes: tuple[tuple[int, str], ...] = (),
+    bf16_routes: RoutesByKind = no_routes,
     batch_invariant: bool = False,
     int8_rows: int = 0,
 ) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
-    bfloat16 one (with the measured `bf16_routes` where given), either
+    bfloat16 one (with the measured `bf16_routes`), either
     with the GGUF `blocks` where given; `batch_invariant` (--deterministic)
     sends every row count through the kernel (packed_linear.py). With
     `int8_rows`, 1..int8_rows rows over Q4_1/Q8_0 blocks take int8
@@ -106,7 +116,7 @@ def _float32_packed(
 @torch.no_grad()
 def widen_bf16(
     model: LlamaForCausalLM,
-    bf16_routes: tuple[tuple[int, str], ...] = (),
+    bf16_routes: RoutesByKind = no_routes,
     blocks: BlockSource | None = None,
     batch_invariant: bool = False,
     int8_rows: int = 0,
@@ -125,9 +135,10 @@ def widen_bf16(
     a float32 model keeps beside its panels); only the arithmetic is
     float32. A weight whose input width is not a multiple of 32 (possible
     in a tensor-parallel shard) is widened to a float32 tensor instead.
-    With `bf16_routes` (CPUs with native bf16, measured at start-up), each
-    packed weight routes its row counts so (PackedWeight.bf16_routes), and
-    is also kept in oneDNN's layout where a route names oneDNN.
+    With `bf16_routes` (CPUs with native bf16, measured at start-up for
+    the kind of file blocks a weight has), each packed weight routes its row
+    counts so (PackedWeight.bf16_routes), and is also kept in oneDNN's
+    layout where a route names oneDNN.
 
     `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
     weights the file stores as Q4_1/Q8_0 in their blocks (as for float32
@@ -144,7 +155,7 @@ def widen_bf16(
     width is packed into float32 panels instead of going to MKL.
     """
     if batch_invariant:
-        bf16_routes, blocks = (), None
+        bf16_routes, blocks = no_routes, None
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -159,13 +170,14 @@ def widen_bf16(
 
     def bf16_packed(weight: torch.Tensor, names: list[str], split: int | None = None) -> PackedWeight:
         gguf = _block_panels(model, blocks, names, split, weight)
-        onednn = onednn_linear.pack(weight) if any(how == "onednn" for _, how in bf16_routes) else None
+        routes = bf16_routes(None if gguf is None else gguf.kind)
+        onednn = onednn_linear.pack(weight) if any(how == "onednn" for _, how in routes) else None
         return PackedWeight(
             None,
             pack_bf16(weight),
             onednn,
             gguf,
-            bf16_routes=bf16_routes,
+            bf16_routes=routes,
             batch_invariant=batch_invariant,
             int8_rows=_int8_rows(gguf, int8_rows),
         )

@@ -379,3 +379,35 @@ def test_bf16_gguf_blocks_hold_each_tensor_parallel_share(tmp_path):
             rows = eye[start : start + 7]
             assert route(rows.shape[0], layer.packed[name]) == "gguf"
             assert torch.equal(linear(rows, weight, None, layer.packed[name]), exact[:, start : start + 7].t())
+
+
+def test_each_kind_of_file_blocks_takes_the_routes_measured_for_it(tmp_path):
+    """SmolLM2's file keeps its layers in Q4_1 and its head in Q8_0, whose
+    loops win at other row counts: widen_bf16 asks for the routes of each
+    kind a weight's blocks turn out to be (None: no blocks), once per weight,
+    and gives each weight its own kind's."""
+    hf_model = save_tiny_hf_model("llama_tied", str(tmp_path))
+    for kind in ("Q4_1", "Q8_0"):
+        save_tiny_gguf(hf_model, str(tmp_path / f"{kind}.gguf"), quantize=kind)
+    q4, q8 = GGUFCheckpoint(str(tmp_path / "Q4_1.gguf")), GGUFCheckpoint(str(tmp_path / "Q8_0.gguf"))
+
+    def mixed(name: str):  # the head in Q8_0, the layers in Q4_1, one layer's down projection in none
+        if name == "model.layers.0.mlp.down_proj.weight":
+            return None
+        return (q8 if name == "model.embed_tokens.weight" else q4).blocks(name)
+
+    routes = {"Q4_1": ((1, "gguf_dot"), (32, "dot")), "Q8_0": ((1, "gguf"), (5, "dot")), None: ((1, "dot"),)}
+    asked = []
+    model = load_model(
+        str(tmp_path / "Q4_1.gguf"), torch.bfloat16, "cpu", make_backend("cpu"), with_tokenizer=False
+    ).model
+    weight_packing.widen_bf16(model, lambda kind: asked.append(kind) or routes[kind], blocks=mixed)
+    head = model._head_packed
+    assert head.gguf.kind == "Q8_0" and head.bf16_routes == routes["Q8_0"]
+    assert [packed_linear.route(r, head) for r in (4, 5)] == ["gguf", "dot"]
+    layer0, layer1 = (model.layers[i].packed for i in (0, 1))
+    assert layer0["down"].gguf is None and layer0["down"].bf16_routes == routes[None]
+    assert layer0["gate_up"].gguf.kind == "Q4_1" and layer0["gate_up"].bf16_routes == routes["Q4_1"]
+    assert all(p.bf16_routes == routes["Q4_1"] for p in layer1.values())
+    assert packed_linear.route(4, layer1["qkv"]) == "gguf_dot"
+    assert set(asked) == {"Q4_1", "Q8_0", None} and len(asked) == 1 + 4 * len(model.layers)

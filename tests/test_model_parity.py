@@ -210,7 +210,7 @@ def bf16_model(ours, path: str):
     if packed_linear.kernel() is None:
         pytest.skip("needs x86 AVX-512 and a C compiler")
     model = same_weights(ours, make_backend("cpu"), torch.bfloat16)
-    weight_packing.widen_bf16(model, NATIVE_BF16_ROUTES)
+    weight_packing.widen_bf16(model, lambda kind: NATIVE_BF16_ROUTES)
     packed = model.layers[0].packed["gate_up"]
     assert packed_linear.route(1, packed) == "dot"
     assert packed_linear.route(8, packed) == ("onednn" if onednn_linear.available() else "blocks")
