@@ -20,9 +20,13 @@ Which wins depends on the rows (weight-read bound at a few rows, compute
 bound at many), the CPU (AVX512-BF16 or AMX, cores, caches, bandwidth) and
 the shape, so no table written here would hold on the next machine. So
 `calibrate` times each one that exists on random weights of the model's
-largest linear shape at CALIBRATION_ROWS, alternated so that a busy moment
-of a shared machine hits all of them, and each row count goes to the
-fastest. A bf16-activation GEMM (dot, onednn) must beat the best float32
+largest layer shape (gate and up) at CALIBRATION_ROWS, alternated so that a
+busy moment of a shared machine hits all of them, and each row count goes
+to the fastest; once per kind of file blocks the weights have (the
+loader's measure_bf16_routes), on that same shape, so a kind held only by
+a weight of another shape (SmolLM2's Q8_0 head) takes routes measured on a
+layer-sized weight of its kind. A bf16-activation GEMM (dot, gguf_dot,
+onednn) must beat the best float32
 one by BF16_MARGIN: rounding the activations costs precision (as torch's
 own bf16 models do), which a gain inside the timing noise does not buy.
 
@@ -70,9 +74,9 @@ from shared.private_dir import ensure_private_dir
 # take the route of the largest one at or below them (2,048: a full prefill
 # chunk, so that no route is extrapolated to one). 5 is the first row count
 # past the float32 block loop's register tile (FUSED_MAX_ROWS = 4 in
-# fused_blocks.h), where that loop slows by ~1.8x: timed at 4 and 8 only,
-# the Q8_0 head of SmolLM2 took it at 5-7 rows (2.97 against 1.88 ms for the
-# dot kernel at 5 rows on an AMD EPYC).
+# fused_blocks.h), where that loop slows down (3,072 x 576, cold, AMD EPYC:
+# Q8_0 150.6 -> 206.5 us from 4 to 5 rows, Q4_1 177.8 -> 225.6), which
+# timing 4 and 8 alone cannot see.
 CALIBRATION_ROWS = (1, 2, 4, 5, 8, 16, 32, 64, 128, 256, 512, 2048)
 # How much faster (median) a GEMM on bf16-rounded activations must be.
 BF16_MARGIN = 1.05
@@ -174,8 +178,9 @@ def agreeing(gemms: dict[str, Gemm], in_features: int, rows: tuple[int, ...] = C
     kept = dict(gemms)
     for count in rows:
         x = torch.randn(count, in_features, generator=gen)
-        reference = {name: gemms[name](x) for name in FLOAT32_ARITHMETIC if name in gemms}
-        for name in [n for n in kept if n not in FLOAT32_ARITHMETIC]:
+        checked = [n for n in kept if n not in FLOAT32_ARITHMETIC]
+        reference = {name: gemms[name](x) for name in {SAME_WEIGHT[n] for n in checked}}
+        for name in checked:
             error = relative_error(kept[name](x), reference[SAME_WEIGHT[name]])
             if not error <= ROUTE_TOLERANCE:
                 log.error("bf16_linear_route_disagrees", route=name, rows=count, relative_error=error)

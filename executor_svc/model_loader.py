@@ -63,8 +63,9 @@ def open_checkpoint(path: str | None):
 def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tuple[int, str], ...]:
     """Which GEMM takes each row count of the model's bf16 linears whose
     file blocks are `gguf_kind` (None: none; bf16_gemm_routes.py), measured
-    on its largest linear shape (gate and up, one rank's share) at the
-    first start on this machine and stored for the next; logged with the
+    on its largest layer shape (gate and up, one rank's share), whatever
+    the shapes of the weights of that kind (a head may be the only one), at
+    the first start on this machine and stored for the next; logged with the
     timings it was chosen from. Timed with the weight coming from memory
     where the model's MLP weights alone (bf16) outgrow the CPU's caches, as
     they then do in every step: all ranks' shares, since tensor-parallel

@@ -225,7 +225,7 @@ class PackedWeight:
     onednn: torch.Tensor | None = None
     # With bfloat16 blocks and a GGUF file: the file's Q4_1/Q8_0 blocks of the
     # same weight (pack_blocks), which take 1..BLOCKS_MAX_ROWS rows (or where
-    # bf16_routes says "gguf").
+    # bf16_routes says "gguf" or, for Q4_1, "gguf_dot").
     gguf: BlockPanels | None = None
     # With bfloat16 blocks on CPUs with native bf16: (from_rows, how) pairs,
     # from_rows ascending, measured at start-up (bf16_gemm_routes.py); `rows`

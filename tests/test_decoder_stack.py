@@ -7,7 +7,8 @@ Two ModelRunners over the same weights run the same step plans
 sampled token and every logprob float must be equal. The tiny Qwen2 (qkv
 bias, head_dim 64) saved as Q8_0 GGUF exercises GGUF blocks (1-32 rows),
 float32 panels (past 32 rows and the bf16 model's widened weights are BF16
-blocks), both KV dtypes and both modes; the embedded SmolLM2 adds Q4_1.
+blocks), both KV dtypes and both modes; the same model in Q4_1 and the
+embedded SmolLM2 add Q4_1.
 """
 
 from __future__ import annotations

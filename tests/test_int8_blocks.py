@@ -117,7 +117,7 @@ def run_int8(kind, x, raw, bias, threads=2, ldc=None):
         ),
         ((100, 96), 37),
         ((960, 576), 301),  # a prefill's worth of row tiles
-        ((100, 1536), 301),  # two chunks of rows (INT8_CHUNK_BYTES / K = 170), 3 panels: split by item
+        ((100, 1536), 301),  # two chunks of rows (ROW_CHUNK_BYTES / K = 170), 3 panels: split by item
         ((960, 1536), 301),  # two chunks, 20 panels: split by panel
     ],
 )

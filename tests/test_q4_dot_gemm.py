@@ -69,7 +69,17 @@ def error_bound(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.T
 
 @pytest.mark.parametrize(
     "rows,out_features,in_features",
-    [(1, 48, 32), (2, 5, 64), (3, 50, 96), (4, 100, 576), (5, 960, 576), (9, 70, 1536), (17, 17, 64), (300, 49, 96)],
+    [
+        (1, 48, 32),
+        (2, 5, 64),
+        (3, 50, 96),
+        (4, 100, 576),
+        (5, 960, 576),
+        (9, 70, 1536),
+        (17, 17, 64),
+        (300, 49, 96),
+        (100, 301, 1536),  # two chunks of rows (ROW_CHUNK_BYTES / (2 K) = 85), 7 panels
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
@@ -78,7 +88,7 @@ def error_bound(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.T
 def test_product_is_float64_over_rounded_activations_within_float32_error(
     rows, out_features, in_features, with_bias, native
 ):
-    """Tiles of 1..4 rows and their remainders, a second chunk of rows,
+    """Tiles of 1..4 rows and their remainders, one chunk of rows and two,
     partial last panels and column vectors, K from one block to 48."""
     raw = q4_1_rows(out_features, in_features, seed=rows + out_features)
     weight, d, m = dequantised(raw)
@@ -93,21 +103,24 @@ def test_product_is_float64_over_rounded_activations_within_float32_error(
     assert not torch.equal(got.double(), exact), "activations rounded to bfloat16 should show"
 
 
-def test_threads_and_row_strides_do_not_change_a_bit():
+@pytest.mark.parametrize("rows", [11, 250])
+def test_threads_and_row_strides_do_not_change_a_bit(rows):
     """Every output is one tile's whole sum over k: 1, 2 and 3 threads, and a
-    strided view of the rows, give the same bits; nothing past N is written."""
+    strided view of the rows, give the same bits, in one chunk of rows or
+    two (250 rows of K = 576: ROW_CHUNK_BYTES holds 227); nothing past N is
+    written."""
     raw = q4_1_rows(200, 576, seed=1)
     blocks = pack_blocks("Q4_1", raw)
-    wide = torch.randn(11, 700)
+    wide = torch.randn(rows, 700)
     x = wide[:, :576]
     outs = [call(x.contiguous(), blocks, threads=t)[1] for t in (1, 2, 3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     status, strided = call(x, blocks)
     assert status == 0 and torch.equal(strided, outs[0])
     k = packed_linear.kernel()
-    out = torch.full((11, 260), float("nan"))
+    out = torch.full((rows, 260), float("nan"))
     k.gemm_quant_bf16_dot(
-        out.data_ptr(), 260, x.data_ptr(), x.stride(0), blocks.data.data_ptr(), Q4_1, None, 11, 200, 576, 0, 2
+        out.data_ptr(), 260, x.data_ptr(), x.stride(0), blocks.data.data_ptr(), Q4_1, None, rows, 200, 576, 0, 2
     )
     assert torch.equal(out[:, :200], outs[0]) and out[:, 200:].isnan().all()
 

@@ -52,43 +52,6 @@
 #define INT8_TILE_ROWS 4
 #define INT8_TARGET __attribute__((target("avx512f,avx512vnni")))
 
-/* Activation bytes (rows x their bytes per row) one pass over the panels
- * takes: a quarter of a 1-2 MB L2, beside the panel and the C tile rows. */
-#define ROW_CHUNK_BYTES (256 * 1024)
-
-/* Rows in equal chunks (whole tiles) of at most ~ROW_CHUNK_BYTES of
- * activations, each passed over the panels in turn, so that a chunk stays
- * in L2 while the panels stream past it. */
-struct row_split {
-    int chunks, rows; /* rows per chunk, a multiple of the tile's */
-};
-
-static struct row_split split_rows(int M, int64_t row_bytes, int tile_rows)
-{
-    const int fit = (int)(ROW_CHUNK_BYTES / row_bytes), max_rows = fit > tile_rows ? fit : tile_rows;
-    const int chunks = (M + max_rows - 1) / max_rows;
-    return (struct row_split){chunks, ((M + chunks - 1) / chunks + tile_rows - 1) / tile_rows * tile_rows};
-}
-
-/* Thread `me` of `nt`'s work items (chunk, panel). With panels enough for
- * every thread, a thread takes its share of the panels for every chunk (as
- * gemm_blocks does: its weights read once, and kept in L2 for the next
- * chunk where they fit); with fewer panels than twice the threads (a narrow
- * weight on many cores), the items are split chunk by chunk instead, so
- * that no thread idles. Items [begin, end) are panels (by_panel, for each of
- * `passes` chunks) or (chunk, panel) pairs numbered chunk * panels + panel. */
-struct item_share {
-    int by_panel, passes;
-    int64_t begin, end;
-};
-
-static struct item_share share_items(int chunks, int panels, int64_t nt, int64_t me)
-{
-    const int by_panel = panels >= 2 * nt;
-    const int64_t share = by_panel ? panels : (int64_t)chunks * panels;
-    return (struct item_share){by_panel, by_panel ? chunks : 1, share * me / nt, share * (me + 1) / nt};
-}
-
 /* One row's quantised activations: xq [K], per block dx, sx and 128 sum xq. */
 struct int8_row {
     const int8_t *q;
@@ -218,47 +181,26 @@ static INT8_TARGET void int8_rows(int mr, int fmt, float *c_out, int64_t ldc, co
 }
 #undef INT8_FORMATS
 
-static INT8_TARGET void gemm_int8(float *c, int64_t ldc, const struct int8_row *x, const uint8_t *blocks, int fmt,
-                                  const float *bias, int M, int N, int K, int num_threads)
+struct int8_call {
+    float *c;
+    int64_t ldc;
+    const struct int8_row *x;
+    const uint8_t *blocks;
+    int fmt, K;
+    const float *bias;
+    int64_t panel_bytes;
+};
+
+static INT8_TARGET void int8_call_tile(const void *call, int m, int mr, int64_t p, int ncols, int64_t pf_ahead)
 {
-    const int panels = (N + NR - 1) / NR;
-    const int64_t panel_bytes = (int64_t)(K / QK) * quant_block_bytes(fmt);
-    const struct row_split rs = split_rows(M, K, INT8_TILE_ROWS);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const struct item_share ws = share_items(rs.chunks, panels, omp_get_num_threads(), omp_get_thread_num());
-        for (int ch = 0; ch < ws.passes; ch++)
-            for (int64_t i = ws.begin; i < ws.end; i++) {
-                const int64_t p = ws.by_panel ? i : i % panels;
-                const int m0 = (ws.by_panel ? ch : (int)(i / panels)) * rs.rows, m1 = M - m0 < rs.rows ? M : m0 + rs.rows;
-                const int ncols = N - p * NR < NR ? N - p * NR : NR;
-                const uint8_t *panel = blocks + p * panel_bytes;
-                for (int m = m0; m < m1; m += INT8_TILE_ROWS) {
-                    const int mr = m1 - m < INT8_TILE_ROWS ? m1 - m : INT8_TILE_ROWS;
-                    /* The first row tile brings the panel in: it prefetches
-                     * the next item's panel when that is the next in memory. */
-                    const int prefetch = m == m0 && i + 1 < ws.end && p + 1 < panels;
-                    int8_rows(mr, fmt, c + m * ldc + p * NR, ldc, x + m, panel, bias ? bias + p * NR : 0, K, ncols,
-                              prefetch ? panel_bytes : 0);
-                }
-            }
-    }
+    const struct int8_call *g = call;
+    int8_rows(mr, g->fmt, g->c + m * g->ldc + p * NR, g->ldc, g->x + m, g->blocks + p * g->panel_bytes,
+              g->bias ? g->bias + p * NR : 0, g->K, ncols, pf_ahead);
 }
 
-/* The converted rows of one call (int8 here, bfloat16 in q4_dot_gemm.h):
- * thread-local, grown as needed, never freed (a few KB per row of K; a fresh allocation per call past glibc's
- * mmap threshold would fault its pages in on every call). */
-static __thread struct {
-    void *data;
-    size_t bytes;
-} row_scratch;
-
-static void *row_scratch_bytes(size_t bytes)
+static void gemm_int8(float *c, int64_t ldc, const struct int8_row *x, const uint8_t *blocks, int fmt,
+                      const float *bias, int M, int N, int K, int num_threads)
 {
-    if (row_scratch.bytes < bytes) {
-        free(row_scratch.data);
-        row_scratch.data = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        row_scratch.bytes = row_scratch.data ? bytes : 0;
-    }
-    return row_scratch.data;
+    const struct int8_call call = {c, ldc, x, blocks, fmt, K, bias, (int64_t)(K / QK) * quant_block_bytes(fmt)};
+    for_each_row_tile(&call, int8_call_tile, M, N, K, INT8_TILE_ROWS, call.panel_bytes, num_threads);
 }

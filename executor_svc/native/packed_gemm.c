@@ -357,6 +357,7 @@ int packed_gemm_quant(float *c, int64_t ldc, const float *a, int64_t lda, const 
     return 0;
 }
 
+#include "row_tiles.h"
 #include "int8_blocks.h"
 
 /* 1 where this CPU runs VPDPBUSD (AVX512-VNNI): the int8 kernel's condition. */
@@ -408,16 +409,58 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
     return 0;
 }
 
-/* The bf16 dot-product kernel (bf16_dot_gemm.h) over the same BF16 blocks,
- * twice: with VDPBF16PS, and with its arithmetic emulated in AVX-512F. */
+/* The bf16 dot-product kernels, over the same BF16 blocks (bf16_dot_gemm.h)
+ * and over Q4_1 blocks (q4_dot_gemm.h), twice: with VDPBF16PS, and with its
+ * arithmetic emulated in AVX-512F. */
 #include "bf16_dot.h"
 
 #define DOT_STEP_BYTES (NR * 4) /* one k pair of one panel: 48 columns x 2 bf16 */
+
+/* The Q4_1 kernel's in-lane byte shuffles need AVX512-BW, which every CPU
+ * with AVX512-BF16 has. */
+#ifdef __AVX512BW__
+#define Q4DOT_TILE_ROWS 4
+#include "bf16.h"
+
+/* One call's arguments, its activations already rounded (xb [M][K]) and
+ * summed per block (xs [M][K/32]). */
+struct q4_dot_call {
+    float *c;
+    int64_t ldc;
+    const uint16_t *xb;
+    const float *xs;
+    const uint8_t *blocks;
+    const float *bias;
+    int K;
+    int64_t panel_bytes;
+};
+
+/* Each row of a [M, K] rounded to bfloat16 (bf16.h: torch's rounding) into
+ * xb [M][K], and each block of 32 of those values summed in float32 into
+ * xs [M][K/32]: q4_dot_gemm.h's activations; rows shared out among threads
+ * where there are enough of them (a prefill chunk's), each row's values the
+ * same whoever computes them. */
+static void bf16_rows_with_sums(uint16_t *xb, float *xs, const float *a, int64_t lda, int M, int K, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= 64 && num_threads > 1)
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < K / QK; b++) {
+            const float *x = a + r * lda + b * QK;
+            const __m256i lo = bf16_round(_mm512_loadu_ps(x)), hi = bf16_round(_mm512_loadu_ps(x + 16));
+            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK), lo);
+            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK + 16), hi);
+            xs[(int64_t)r * (K / QK) + b] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_widen(lo), bf16_widen(hi)));
+        }
+}
+#endif
 
 #define DOT_NAME(x) x##_dot_emulated
 #define DOT_TARGET
 #define DOT(acc, a, b) dot_emulated(acc, a, b)
 #include "bf16_dot_gemm.h"
+#ifdef __AVX512BW__
+#include "q4_dot_gemm.h"
+#endif
 #undef DOT_NAME
 #undef DOT_TARGET
 #undef DOT
@@ -428,50 +471,12 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 #define DOT_TARGET DOT_NATIVE_TARGET
 #define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
 #include "bf16_dot_gemm.h"
-#undef DOT_NAME
-#undef DOT_TARGET
-#undef DOT
-#endif
-
-/* The VDPBF16PS loop over Q4_1 blocks (q4_dot_gemm.h), twice in the same
- * way; its in-lane byte shuffles need AVX512-BW, which every CPU with
- * AVX512-BF16 has. */
 #ifdef __AVX512BW__
-#define Q4DOT_TILE_ROWS 4
-#include "bf16.h"
-
-/* Each row of a [M, K] rounded to bfloat16 (bf16.h: torch's rounding) into
- * xb [M][K], and each block of 32 of those values summed in float32 into
- * xs [M][K/32]: q4_dot_gemm.h's activations. */
-static void bf16_rows_with_sums(uint16_t *xb, float *xs, const float *a, int64_t lda, int M, int K)
-{
-    for (int r = 0; r < M; r++)
-        for (int b = 0; b < K / QK; b++) {
-            const float *x = a + r * lda + b * QK;
-            const __m256i lo = bf16_round(_mm512_loadu_ps(x)), hi = bf16_round(_mm512_loadu_ps(x + 16));
-            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK), lo);
-            _mm256_storeu_si256((__m256i *)(xb + (int64_t)r * K + b * QK + 16), hi);
-            xs[(int64_t)r * (K / QK) + b] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_widen(lo), bf16_widen(hi)));
-        }
-}
-
-#define DOT_NAME(x) x##_dot_emulated
-#define DOT_TARGET
-#define DOT(acc, a, b) dot_emulated(acc, a, b)
 #include "q4_dot_gemm.h"
-#undef DOT_NAME
-#undef DOT_TARGET
-#undef DOT
-
-#ifdef HAVE_NATIVE_DOT
-#define DOT_NAME(x) x##_dot_native
-#define DOT_TARGET DOT_NATIVE_TARGET
-#define DOT(acc, a, b) DOT_NATIVE_OP(acc, a, b)
-#include "q4_dot_gemm.h"
-#undef DOT_NAME
-#undef DOT_TARGET
-#undef DOT
 #endif
+#undef DOT_NAME
+#undef DOT_TARGET
+#undef DOT
 #endif
 
 /* 1 where this build has the VDPBF16PS kernel and this CPU runs it. */
@@ -527,14 +532,15 @@ int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t ld
         return -1;
     uint16_t *xb = (uint16_t *)scratch;
     float *xs = (float *)(scratch + xb_bytes);
-    bf16_rows_with_sums(xb, xs, a, lda, M, K);
+    bf16_rows_with_sums(xb, xs, a, lda, M, K, num_threads);
+    const struct q4_dot_call call = {c, ldc, xb, xs, blocks, bias, K, (int64_t)(K / QK) * quant_block_bytes(FMT_Q4_1)};
 #ifdef HAVE_NATIVE_DOT
     if (native) {
-        q4_gemm_dot_native(c, ldc, xb, xs, blocks, bias, M, N, K, num_threads);
+        q4_gemm_dot_native(&call, M, N, num_threads);
         return 0;
     }
 #endif
-    q4_gemm_dot_emulated(c, ldc, xb, xs, blocks, bias, M, N, K, num_threads);
+    q4_gemm_dot_emulated(&call, M, N, num_threads);
     return 0;
 #else
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)native;

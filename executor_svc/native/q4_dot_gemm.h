@@ -11,8 +11,8 @@
  * is compute bound, not DRAM bound. It widens every code to float32
  * (shuffle, mask, convert, fma(d, code, m)) before one FMA per row: 2.0-2.7
  * cycles per 16 weights, so a one-decode step of SmolLM2 read its 66 MB of
- * Q4_1 blocks at ~15 GB/s, half of what the machine's memory gives
- * (docs/optimization_log.md). Here a 4-bit code q becomes the bfloat16
+ * Q4_1 blocks at 15-18 GB/s on an AMD EPYC, about half of what its memory
+ * gives (docs/optimization_log.md, twentieth session). Here a 4-bit code q becomes the bfloat16
  * 128 + q with one bitwise op: 0x4300 | q is 128's exponent with q in the
  * low mantissa bits, exactly. One VDPBF16PS then multiplies 16 columns x 2
  * k of codes by a broadcast pair of activations, and per block, column and
@@ -37,9 +37,7 @@
  *
  * Tiles: up to Q4DOT_TILE_ROWS rows x the panel's 48 columns, a block's
  * sums and the running sums in registers; threads, chunks of rows and the
- * prefetch of the next panel's block are int8_blocks.h's. Every output is
- * one tile's whole sum over k, so neither the chunks nor the threads change
- * a result.
+ * prefetch of the next panel's block are the int8 kernel's (row_tiles.h).
  */
 
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(q4_tile)(
@@ -125,28 +123,17 @@ static DOT_TARGET void DOT_NAME(q4_rows)(int mr, float *c_out, int64_t ldc, cons
     }
 }
 
-static DOT_TARGET void DOT_NAME(q4_gemm)(float *c, int64_t ldc, const uint16_t *xb, const float *xs,
-                                         const uint8_t *blocks, const float *bias, int M, int N, int K,
-                                         int num_threads)
+static DOT_TARGET void DOT_NAME(q4_call_tile)(const void *call, int m, int mr, int64_t p, int ncols,
+                                               int64_t pf_ahead)
 {
-    const int panels = (N + NR - 1) / NR;
-    const int64_t panel_bytes = (int64_t)(K / QK) * quant_block_bytes(FMT_Q4_1);
-    const struct row_split rs = split_rows(M, 2 * K, Q4DOT_TILE_ROWS);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const struct item_share ws = share_items(rs.chunks, panels, omp_get_num_threads(), omp_get_thread_num());
-        for (int ch = 0; ch < ws.passes; ch++)
-            for (int64_t i = ws.begin; i < ws.end; i++) {
-                const int64_t p = ws.by_panel ? i : i % panels;
-                const int m0 = (ws.by_panel ? ch : (int)(i / panels)) * rs.rows, m1 = M - m0 < rs.rows ? M : m0 + rs.rows;
-                const int ncols = N - p * NR < NR ? N - p * NR : NR;
-                const uint8_t *panel = blocks + p * panel_bytes;
-                for (int m = m0; m < m1; m += Q4DOT_TILE_ROWS) {
-                    const int mr = m1 - m < Q4DOT_TILE_ROWS ? m1 - m : Q4DOT_TILE_ROWS;
-                    const int prefetch = m == m0 && i + 1 < ws.end && p + 1 < panels;
-                    DOT_NAME(q4_rows)(mr, c + m * ldc + p * NR, ldc, xb + (int64_t)m * K, K, xs + (int64_t)m * (K / QK),
-                                      K / QK, panel, bias ? bias + p * NR : 0, K, ncols, prefetch ? panel_bytes : 0);
-                }
-            }
-    }
+    const struct q4_dot_call *g = call;
+    DOT_NAME(q4_rows)(mr, g->c + m * g->ldc + p * NR, g->ldc, g->xb + (int64_t)m * g->K, g->K,
+                      g->xs + (int64_t)m * (g->K / QK), g->K / QK, g->blocks + p * g->panel_bytes,
+                      g->bias ? g->bias + p * NR : 0, g->K, ncols, pf_ahead);
+}
+
+static void DOT_NAME(q4_gemm)(const struct q4_dot_call *call, int M, int N, int num_threads)
+{
+    for_each_row_tile(call, DOT_NAME(q4_call_tile), M, N, 2 * call->K, Q4DOT_TILE_ROWS, call->panel_bytes,
+                      num_threads);
 }
