@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -138,7 +139,9 @@ def follower_main(argv: list[str] | None = None) -> NoReturn:
     configure_logging(config.log_level, config.log_json, service=f"executor-rank{a.rank}")
     store = dist.TCPStore(STORE_HOST, a.store_port, a.world_size, is_master=False, timeout=DATA_TIMEOUT)
     tp = join(a.rank, a.world_size, store, resolve_device(config.device))
-    follow(Worker(config, tp), tp)
+    worker = Worker(config, tp)
+    gc.freeze()  # as rank 0 does (__main__.serve_worker): a collection stalling one rank stalls them all
+    follow(worker, tp)
 
 
 def _die_with_parent(parent_pid: int) -> None:
