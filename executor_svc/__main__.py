@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import os
 import signal
 import sys
@@ -49,6 +48,7 @@ async def serve_worker(config, tp) -> int:
     from executor_svc.model_loader import default_model_path
     from executor_svc.server import SERVICE_NAME, serve
     from executor_svc.worker import Worker
+    from shared.gc_startup import freeze_startup_objects
     from shared.metrics_http import serve_metrics
     from shared.model_id import model_id
 
@@ -61,13 +61,7 @@ async def serve_worker(config, tp) -> int:
     except ValueError as e:  # a model or setting this executor cannot serve: the message says which
         log.error("model_load_failed", path=path, error=str(e))
         return 1
-    # What start-up made (the model, its weights' Python objects, torch's and
-    # grpc's modules: ~220,000 tracked objects for the embedded model) lives
-    # as long as the process, yet every full collection traversed it all:
-    # ~100 ms on a 2-core AMD EPYC, a stall of whichever step it landed in.
-    # Frozen, collections see only what serving allocates (batch-1 and -4
-    # steps 1.02x faster in median besides, docs/optimization_log.md).
-    gc.freeze()
+    frozen = freeze_startup_objects()
     log.info(
         "model_loaded",
         model=worker.model_config.model_name,
@@ -81,7 +75,7 @@ async def serve_worker(config, tp) -> int:
         deterministic=config.deterministic,
         block_weights_mib=round(weight_packing.block_panel_bytes(worker.model) / 2**20, 1),
         tensor_parallel_size=config.tensor_parallel_size,
-        frozen_objects=gc.get_freeze_count(),
+        **frozen,
     )
     metrics = ExecutorMetrics(config.metrics_prefix, model_id(worker.model_config.model_name))
     if config.metrics_listen:

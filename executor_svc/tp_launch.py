@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import gc
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from executor_svc.model import check_tensor_parallel
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.tensor_parallel import DATA_TIMEOUT, STORE_HOST, TPGroup, exit_now, join
 from executor_svc.worker import Worker
+from shared.gc_startup import freeze_startup_objects
 from shared.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -140,7 +140,7 @@ def follower_main(argv: list[str] | None = None) -> NoReturn:
     store = dist.TCPStore(STORE_HOST, a.store_port, a.world_size, is_master=False, timeout=DATA_TIMEOUT)
     tp = join(a.rank, a.world_size, store, resolve_device(config.device))
     worker = Worker(config, tp)
-    gc.freeze()  # as rank 0 does (__main__.serve_worker): a collection stalling one rank stalls them all
+    log.info("follower_loaded", rank=a.rank, **freeze_startup_objects())  # a stall of one rank stalls them all
     follow(worker, tp)
 
 

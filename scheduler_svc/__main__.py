@@ -43,6 +43,7 @@ async def run(config) -> int:
     from scheduler_svc.server import SERVICE_NAME, GenerationServicer
     from scheduler_svc.stats_logger import StatsLogger
     from scheduler_svc.text_work import TextWorkers
+    from shared.gc_startup import freeze_startup_objects
     from shared.grpc_auth import BearerAuthInterceptor, TokenTable
     from shared.grpc_codec import CodecInterceptor
 
@@ -111,6 +112,8 @@ async def run(config) -> int:
                     log.info("still_waiting_for_executor", executor=config.executor, waited_s=round(waited))
                     waited_since = time.monotonic()
             await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=1.0)
+    if engine.connected:  # start-up is over: the tokenizer and the executor's handshake are in
+        log.info("startup_objects_frozen", **freeze_startup_objects())
     loop_task = asyncio.ensure_future(engine.run()) if engine.scheduler is not None else None
     stats_task = None
     if engine.scheduler is not None and config.log_stats_interval_s > 0:

@@ -167,8 +167,11 @@ def test_serve_starts_all_three_answers_openai_and_stops_cleanly(tmp_path):
         ]
         assert loading[0]["event"] == "model_loading" and loading[0]["path"].endswith(".gguf")
         assert loading[1]["event"] == "model_loaded" and loading[1]["load_s"] > 0
-        # Start-up's objects are out of the collector's way (a full collection over them took ~100 ms).
-        assert loading[1]["frozen_objects"] > 10_000
+        # Start-up's objects are out of the collector's way (a full collection over them took ~100 ms),
+        # in the scheduler too once it has connected.
+        assert loading[1]["frozen_objects"] > 10_000 and loading[1]["gc_collect_ms"] >= 0
+        frozen = [json.loads(line) for line in out.splitlines() if '"startup_objects_frozen"' in line]
+        assert len(frozen) == 1 and frozen[0]["frozen_objects"] > 10_000
         assert '"event": "waiting_for_executor"' not in out  # DEBUG while the model loads (INFO every 30 s)
 
         oai = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
