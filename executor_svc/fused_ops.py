@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
-the sampler's row argmax, each in one native pass, for CPU tensors: float32
-(native/fused_ops.c) and, all but the argmax, bfloat16 (native/fused_ops_bf16.c,
+the sampler's row argmax and exponential race, each in one native pass, for CPU tensors: float32
+(native/fused_ops.c) and, all but the sampler's, bfloat16 (native/fused_ops_bf16.c,
 which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
 the write of new K/V rows into a bfloat16 cache.
 
@@ -191,5 +191,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     status = _lib().argmax_rows_f32(
         out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads()
+    )
+    return out if status == 0 else None
+
+
+def race_rows(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """[rows, cols] float32 -> int64 [rows]: argmax_v x[r, v] - log E_v, E_v = -log u_v,
+    where u_v is seeded_noise.seeded_uniform's uniform for row key keys[r] (int64
+    [rows] in [0, 2**32)) and token v (native/fused_ops.c: race_rows_f32). Ties
+    and NaN as argmax_rows; None where the native build has no vector path."""
+    assert x.dtype == torch.float32 and keys.dtype == torch.int64, f"race_rows reads float32, int64; got {x.dtype}"
+    assert keys.shape == (x.shape[0],) and keys.is_contiguous(), f"one key per row, got {tuple(keys.shape)}"
+    x = _rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    status = _lib().race_rows_f32(
+        out.data_ptr(), x.data_ptr(), x.stride(0), keys.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()
     )
     return out if status == 0 else None

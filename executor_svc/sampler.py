@@ -20,7 +20,16 @@ argmax_v (logit_v / T - log E_v), masked tokens being -inf. For a seeded row
 E_v = -log(u_v) where u_v is a counter-based hash of (seed, output position, v)
 (seeded_noise.py), so the draw depends on nothing else: not on batch order or
 size, not on the previous draws, and a request recomputed after preemption
-redraws the same tokens. Unseeded rows draw E from torch's global generator.
+redraws the same tokens. Unseeded rows draw E from torch's global generator
+(on CPU: a row key from it, hashed per token as seeded rows are, in one
+native pass, fused_ops.race_rows).
+
+Only the tokens that survive truncation can win, so on CPU a batch whose
+random rows all truncate (top-k or top-p) races each row's leading tokens
+(top_p.FIRST_CANDIDATES, or its top_k if more) and draws noise for those
+alone; a row whose survivors reach beyond them races its whole row. A token's
+noise is the same in either race, so a seeded row's token does not depend on
+which one it ran in (docs/optimization_log.md has what these two measured).
 
 Batch invariance (--deterministic, docs/determinism.md): every step is per
 row, and the only sums over a row are log_softmax, logsumexp and cumsum
@@ -40,17 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_svc import fused_ops
+from executor_svc import fused_ops, top_p
 from executor_svc.row_ops import RowOps
 from executor_svc.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.step_plan import TokenLogprobs
 
 __all__ = ["RowOps", "Sampler", "SamplerOutput", "SamplingMetadata", "argmax", "build_sampling_metadata"]
-
-# Top-p looks for the nucleus among each row's this many most likely tokens and
-# sorts the whole row only when they hold less than top_p of the mass.
-_TOP_P_CANDIDATES = 4096
 
 
 @dataclass
@@ -86,40 +91,6 @@ def apply_min_tokens_and_penalties(logits: torch.Tensor, md: SamplingMetadata) -
         values = values - md.frequency_penalty * counts - md.presence_penalty * (counts > 0).float()
         flat[md.penalty_index] = values.clamp(max=torch.finfo(values.dtype).max)
     return logits
-
-
-def _nucleus_threshold(sorted_desc: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, ops: RowOps):
-    """Smallest logit of each row's nucleus, given its leading sorted logits.
-
-    Rank i (0 = most likely) belongs to the nucleus iff the mass of ranks < i is
-    below p: the minimal set whose mass reaches p; rank 0 always belongs.
-    Returns (threshold [R, 1], mass of the given ranks [R]).
-    """
-    probs = (sorted_desc - lse).exp()
-    cumulative = ops.cumsum(probs)
-    # At least rank 0, also where the mass is NaN (a row with no finite logit).
-    n_keep = ((cumulative - probs) < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
-    return sorted_desc.gather(1, n_keep - 1), cumulative[:, -1]
-
-
-def _top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor, ops: RowOps) -> torch.Tensor:
-    """[R, 1] nucleus threshold per row (-inf where top_p = 1), of the already top-k'd logits.
-
-    Usually the nucleus lies within the row's _TOP_P_CANDIDATES best tokens and
-    a partial topk suffices; rows where it does not are sorted in full. Which
-    path a row takes depends only on that row, so its result does too.
-    """
-    vocab_size = logits.shape[1]
-    lse = ops.logsumexp(logits)
-    candidates = logits.topk(min(vocab_size, _TOP_P_CANDIDATES), dim=-1).values
-    threshold, mass = _nucleus_threshold(candidates, lse, top_p, ops)
-    if candidates.shape[1] < vocab_size:
-        short = ((mass < top_p) & (top_p < 1.0)).nonzero().squeeze(1)  # host sync
-        if short.numel():
-            full = logits[short].sort(dim=-1, descending=True).values
-            threshold[short] = _nucleus_threshold(full, lse[short], top_p[short], ops)[0]
-    # top_p = 1 keeps everything even where rounding pushes the cumsum past 1.
-    return threshold.masked_fill((top_p >= 1.0)[:, None], -math.inf)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -165,28 +136,113 @@ class Sampler:
         """logits: [R, V], the random rows only. Truncations mask tokens to -inf."""
         # A saturated penalty over a temperature below 1 overflows: saturate again.
         logits = (logits / md.temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
+        best = None  # each row's leading tokens, sorted: (values, ids)
+        if md.every_random_row_truncated and logits.device.type == "cpu":
+            # A multiple of 16 keeps every row's noise off torch's scalar tail
+            # loop, whose log may differ from the vector one in the last bit.
+            width = min(md.vocab_size, -(-max(top_p.FIRST_CANDIDATES, md.max_top_k) // 16) * 16)
+            best = logits.topk(width, dim=-1)
+        top_k_threshold = None
         if md.top_k is not None:
             # Threshold at each row's k-th largest value; ties at the threshold stay in.
-            kth = logits.topk(md.max_top_k, dim=-1).values
-            threshold = kth.gather(1, (md.top_k.clamp(max=md.max_top_k) - 1)[:, None])
-            threshold.masked_fill_((md.top_k >= md.vocab_size)[:, None], -math.inf)
-            logits = logits.masked_fill(logits < threshold, -math.inf)
+            kth = best.values if best is not None else logits.topk(md.max_top_k, dim=-1).values
+            top_k_threshold = kth.gather(1, (md.top_k.clamp(max=md.max_top_k) - 1)[:, None])
+            top_k_threshold.masked_fill_((md.top_k >= md.vocab_size)[:, None], -math.inf)
         # top-p and min-p as one mask: min-p compares each probability with the
         # row's largest, and neither that ratio nor the largest changes under top-p.
         threshold = None
         if md.top_p is not None:
-            threshold = _top_p_threshold(logits, md.top_p, self.ops)
+            leading = None
+            if best is not None:
+                leading = best.values
+                if top_k_threshold is not None:
+                    leading = leading.masked_fill(leading < top_k_threshold, -math.inf)
+            threshold = top_p.threshold(logits, md.top_p, self.ops, top_k_threshold, leading)
         if md.min_p is not None:
             # p_v >= min_p * p_max  <=>  logit_v >= logit_max + log(min_p); min_p = 0 keeps all.
-            min_p_threshold = logits.max(dim=-1, keepdim=True).values + md.min_p.log()[:, None]
+            row_max = best.values[:, :1] if best is not None else logits.max(dim=-1, keepdim=True).values
+            min_p_threshold = row_max + md.min_p.log()[:, None]
             threshold = min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
+        if top_k_threshold is not None:
+            threshold = top_k_threshold if threshold is None else torch.maximum(threshold, top_k_threshold)
+        if best is not None:
+            return self._race(logits, best.values, best.indices, threshold, md)
         if threshold is not None:
             logits = logits.masked_fill(logits < threshold, -math.inf)
-        # Exponential race in log space: argmax_v logit_v - log E_v.
-        return argmax(logits - self._log_exponential(logits, md))
+        return self._race_whole_rows(logits, md)
 
-    def _log_exponential(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """log E, E ~ Exp(1) i.i.d., [R, V]: the global generator, or the hash for seeded rows.
+    def _race_whole_rows(self, logits: torch.Tensor, md: SamplingMetadata, rows=None) -> torch.Tensor:
+        """The exponential race over every token of each row: argmax_v logit_v - log E_v.
+        `rows` [R] picks which random rows these are (default: all).
+
+        Unseeded rows race natively on CPU (fused_ops.race_rows: hashed
+        uniforms under a row key drawn from torch's global generator, one pass
+        over the row); seeded rows always race on torch's logs of their hashed
+        uniforms, as _race_leading does, so that a seeded row draws the same
+        token whichever race it runs in.
+        """
+        if logits.device.type != "cpu" or not fused_ops.available(logits):
+            return argmax(logits - self._log_exponential(logits, md, rows=rows))
+        keys = torch.randint(0, 1 << 32, (logits.shape[0],), dtype=torch.int64)
+        tokens = fused_ops.race_rows(logits, keys)
+        if tokens is None:
+            return argmax(logits - self._log_exponential(logits, md, rows=rows))
+        seeded = self._seeded_rows(md, rows)
+        if seeded is not None and seeded.numel():
+            chosen = seeded if rows is None else rows[seeded]
+            tokens[seeded] = argmax(logits[seeded] - self._log_exponential(logits[seeded], md, rows=chosen))
+        return tokens
+
+    @staticmethod
+    def _seeded_rows(md: SamplingMetadata, rows) -> torch.Tensor | None:
+        """Which of `rows` (random rows; all when None) are seeded, as positions in it."""
+        if md.seeded is None or rows is None:
+            return md.seeded
+        seeded = torch.zeros(md.random_rows.numel(), dtype=torch.bool, device=md.seeded.device)
+        seeded[md.seeded] = True
+        return seeded[rows].nonzero().squeeze(1)
+
+    def _race(
+        self,
+        logits: torch.Tensor,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        threshold: torch.Tensor,
+        md: SamplingMetadata,
+    ) -> torch.Tensor:
+        """The exponential race of each row's tokens at or above `threshold` [R, 1],
+        over its leading tokens (`values` [R, W] sorted descending, their `ids`) where
+        they hold every such token, else (a row with a longer nucleus, or a NaN)
+        over the whole row. Each token's noise is the one the whole-row race would
+        draw for it (seeded rows: the same hash of its id), and ties go to the
+        smallest id as argmax's do, so a seeded row's token does not depend on the
+        race it ran in."""
+        fits = ~values[:, 0].isnan()
+        if values.shape[1] < md.vocab_size:
+            # Tokens beyond the leading W are <= values[:, -1]: all out iff the threshold is above it.
+            fits &= (threshold > values[:, -1:]).squeeze(1)
+        if bool(fits.all()):  # host sync
+            return self._race_leading(values, ids, threshold, md, None)
+        tokens = torch.empty(values.shape[0], dtype=torch.int64, device=values.device)
+        inside, beyond = fits.nonzero().squeeze(1), (~fits).nonzero().squeeze(1)
+        if inside.numel():
+            tokens[inside] = self._race_leading(values[inside], ids[inside], threshold[inside], md, inside)
+        rest = logits[beyond].masked_fill(logits[beyond] < threshold[beyond], -math.inf)
+        tokens[beyond] = self._race_whole_rows(rest, md, beyond)
+        return tokens
+
+    def _race_leading(self, values, ids, threshold, md: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+        running = values >= threshold
+        scores = values.masked_fill(~running, -math.inf) - self._log_exponential(values, md, ids, rows)
+        top = scores.max(dim=-1, keepdim=True).values
+        return torch.where(running & (scores == top), ids, md.vocab_size).amin(dim=-1)
+
+    def _log_exponential(
+        self, logits: torch.Tensor, md: SamplingMetadata, ids: torch.Tensor | None = None, rows=None
+    ) -> torch.Tensor:
+        """log E, E ~ Exp(1) i.i.d., shaped as `logits` [R, V]: the global generator,
+        or the hash for seeded rows. `rows` [R] picks which random rows these are
+        (default: all); with `ids` [R, W], the noise of those tokens only.
 
         E = -log(u) with u uniform: on CPU, torch.rand plus two logs is about
         twice as fast as exponential_(). u = 0 gives E = inf: a score of -inf,
@@ -194,16 +250,24 @@ class Sampler:
         """
         if md.seeded is None:
             return torch.rand_like(logits).log_().neg_().log_()
+        seeded, seed_lo, seed_hi, positions = md.seeded, md.seed_lo, md.seed_hi, md.seed_positions
+        if rows is not None:
+            slot = torch.full((md.random_rows.numel(),), -1, dtype=torch.int64, device=logits.device)
+            slot[md.seeded] = torch.arange(md.seeded.numel(), device=logits.device)
+            slot = slot[rows]
+            seeded = (slot >= 0).nonzero().squeeze(1)
+            slot = slot[seeded]
+            seed_lo, seed_hi, positions = seed_lo[slot], seed_hi[slot], positions[slot]
         key = (md.vocab_size, str(logits.device))
         if key not in self._vocab_keys:
             self._vocab_keys[key] = vocab_keys(md.vocab_size, logits.device)
-        seeded = seeded_uniform(md.seed_lo, md.seed_hi, md.seed_positions, self._vocab_keys[key])
-        seeded = seeded.log_().neg_().log_()
-        if md.all_seeded:
-            return seeded
-        noise = torch.rand_like(logits).log_().neg_().log_()
-        noise[md.seeded] = seeded
-        return noise
+        keys = self._vocab_keys[key] if ids is None else self._vocab_keys[key][ids[seeded]]
+        noise = seeded_uniform(seed_lo, seed_hi, positions, keys).log_().neg_().log_()
+        if seeded.numel() == logits.shape[0]:
+            return noise
+        everyone = torch.rand_like(logits).log_().neg_().log_()
+        everyone[seeded] = noise
+        return everyone
 
     @staticmethod
     def _logprobs_result(

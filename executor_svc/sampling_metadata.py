@@ -38,6 +38,7 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [R] float32 (random rows)
     top_k: torch.Tensor | None  # [R] int64 in [1, V], V = off (random rows)
     max_top_k: int  # largest top_k < V among random rows; 0 when top_k is None
+    every_random_row_truncated: bool  # each random row has top_k < V or top_p < 1 (False with none)
     top_p: torch.Tensor | None  # [R] float32 in (0, 1], 1 = off (random rows)
     min_p: torch.Tensor | None  # [R] float32 in [0, 1], 0 = off (random rows)
     # Seeded random rows: indices into random_rows, and the hash inputs.
@@ -45,7 +46,6 @@ class SamplingMetadata:
     seed_lo: torch.Tensor | None  # [S] int64, low 32 bits of the seed
     seed_hi: torch.Tensor | None  # [S] int64, high 32 bits (seeds are taken modulo 2**64)
     seed_positions: torch.Tensor | None  # [S] int64 = len(output tokens) of the row
-    all_seeded: bool
     # Penalties, sparse: one entry per distinct (row, token) the penalties touch,
     # i.e. prompt tokens of rows with a repetition penalty and output tokens of
     # rows with any penalty. Entries carry their row's factors.
@@ -177,13 +177,13 @@ def build_sampling_metadata(
         temperature=tensor([p.temperature for p in rp], torch.float32),
         top_k=tensor(top_k, torch.int64) if used_k else None,
         max_top_k=max(used_k, default=0),
+        every_random_row_truncated=bool(rp) and all(k < vocab_size or p.top_p < 1.0 for k, p in zip(top_k, rp)),
         top_p=tensor([p.top_p for p in rp], torch.float32) if any(p.top_p < 1.0 for p in rp) else None,
         min_p=tensor([p.min_p for p in rp], torch.float32) if any(p.min_p > 0.0 for p in rp) else None,
         seeded=tensor(seeded, torch.int64) if seeded else None,
         seed_lo=tensor([s & MASK32 for s in seeds], torch.int64) if seeded else None,
         seed_hi=tensor([s >> 32 for s in seeds], torch.int64) if seeded else None,
         seed_positions=tensor([num_outputs[rand[j]] for j in seeded], torch.int64) if seeded else None,
-        all_seeded=len(seeded) == len(rand),
         penalty_index=index,
         penalty_counts=counts,
         repetition_penalty=rep,

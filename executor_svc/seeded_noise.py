@@ -37,17 +37,22 @@ def seeded_uniform(
     """Uniform noise in (0, 1), [S, V] float32, a pure function of (seed, position, v).
 
     seed_lo/seed_hi/positions: [S] int64 in [0, 2**32); vocab_keys: [V] from
-    `vocab_keys(V)`. A 32-bit row key folds all three inputs through four hash
-    rounds (two (seed, position) pairs share a key with probability 2**-32);
-    one round per element then mixes it with the token's key.
+    `vocab_keys(V)`, or [S, W] of them (some tokens of each row; the result is
+    then [S, W]). A 32-bit row key (`row_keys`) folds all three inputs through
+    four hash rounds (two (seed, position) pairs share a key with probability
+    2**-32); one round per element then mixes it with the token's key.
     """
-    key = _mix32_(_mix32_(_mix32_(positions ^ _SALT_KEY1) ^ seed_lo) ^ seed_hi)
-    key = _mix32_(key ^ _SALT_KEY2)
-    x = _mix32_(key[:, None] ^ vocab_keys[None, :])
+    key = row_keys(seed_lo, seed_hi, positions)
+    x = _mix32_(key[:, None] ^ (vocab_keys if vocab_keys.dim() == 2 else vocab_keys[None, :]))
     # 23 bits + 0.5 is exact in float32 and strictly inside (0, 1): u = 1 would
     # give E = 0 and an infinite score for a masked token.
     x >>= 9
     return (x.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[S] int64 in [0, 2**32): each row's key, which seeded_uniform mixes with every token's."""
+    return _mix32_(_mix32_(_mix32_(_mix32_(positions ^ _SALT_KEY1) ^ seed_lo) ^ seed_hi) ^ _SALT_KEY2)
 
 
 def vocab_keys(vocab_size: int, device) -> torch.Tensor:

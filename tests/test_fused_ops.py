@@ -4,11 +4,14 @@ versions, computed in float64 (bfloat16: tests/test_fused_ops_bf16.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from executor_svc import fused_ops
 from executor_svc.native_build import cpu_flags
+from executor_svc.seeded_noise import row_keys, seeded_uniform, vocab_keys
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(torch.empty(0)), reason="needs a C compiler")
 
@@ -158,3 +161,52 @@ def test_argmax_rows_returns_the_first_nan_as_torch():
     want = x.argmax(dim=-1)
     assert want.tolist() == [20, 36, 1, 7, 0]
     assert torch.equal(fused_ops.argmax_rows(x), want)
+
+
+def race_reference(x: torch.Tensor, keys_from: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(winner per row, the gap between its score and the runner-up's) in float64,
+    from seeded_uniform's uniforms for the same row keys."""
+    u = seeded_uniform(*keys_from, vocab_keys(x.shape[1], "cpu")).double()
+    scores = x.double() - torch.log(-torch.log(u))
+    top2 = scores.topk(2, dim=-1).values
+    return scores.argmax(dim=-1), top2[:, 0] - top2[:, 1]
+
+
+@needs_vector_argmax
+@pytest.mark.parametrize("cols", [2, 17, 1000, 49152])
+def test_race_rows_draws_the_hashed_uniforms_winner(cols):
+    """race_rows hashes the same uniforms as seeded_uniform (for its row keys) and
+    picks the float64 race's winner wherever the race is not a near tie."""
+    gen = torch.Generator().manual_seed(cols)
+    rows = 64
+    x = torch.randn(rows, cols, generator=gen) * 2
+    x[5, : cols // 2] = float("-inf")  # masked tokens never win
+    seeds = (torch.randint(0, 1 << 32, (rows,), generator=gen), torch.randint(0, 1 << 32, (rows,), generator=gen))
+    keys_from = (*seeds, torch.arange(rows))
+    want, gap = race_reference(x, keys_from)
+    got = fused_ops.race_rows(x, row_keys(*keys_from))
+    clear = gap > 1e-4
+    assert int(clear.sum()) > rows * 0.9
+    assert torch.equal(got[clear], want[clear])
+    assert int(got[5]) >= cols // 2
+
+
+@needs_vector_argmax
+def test_race_rows_samples_the_softmax():
+    """Over many row keys, each token wins as often as its probability says."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    n = 40000
+    x = probs.log().expand(n, -1).contiguous()
+    got = fused_ops.race_rows(x, torch.randint(0, 1 << 32, (n,), generator=torch.Generator().manual_seed(1)))
+    counts = torch.bincount(got, minlength=5).double()
+    chi2 = float(((counts - probs.double() * n) ** 2 / (probs.double() * n)).sum())
+    assert chi2 < 4 + 8 * math.sqrt(8) + 8, counts.tolist()
+
+
+@needs_vector_argmax
+def test_race_rows_nan_and_all_masked_rows_as_argmax_rows():
+    x = torch.zeros(3, 40)
+    x[0, 25] = float("nan")
+    x[1] = float("-inf")
+    x[2, 33] = 50.0  # far ahead of any noise
+    assert fused_ops.race_rows(x, torch.tensor([1, 2, 3])).tolist() == [25, 0, 33]

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import executor_svc.sampler as sampler_module
+import executor_svc.top_p as top_p_module
 from executor_svc.sampler import Sampler, apply_min_tokens_and_penalties, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.sampling_params import SamplingParams
@@ -102,10 +102,10 @@ def test_per_row_top_k_in_one_batch():
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["global-rng", "seeded-hash"])
 def test_top_p_nucleus_larger_than_the_candidate_set(seeded, monkeypatch):
-    # Top-p looks among a row's best _TOP_P_CANDIDATES tokens first (shrunk to
+    # Top-p looks among a row's best top_p.CANDIDATES tokens first (shrunk to
     # 256 here to keep the test small). 2000 near-flat tokens with a ~0.9
     # nucleus of 1501: the sampler must fall back to a full sort.
-    monkeypatch.setattr(sampler_module, "_TOP_P_CANDIDATES", 256)
+    monkeypatch.setattr(top_p_module, "CANDIDATES", 256)
     vocab, rows = 4096, 512
     gen = torch.Generator().manual_seed(0)
     by_rank = torch.cat([-1e-3 * torch.arange(2000.0), torch.full((vocab - 2000,), -30.0)])
@@ -124,6 +124,63 @@ def test_top_p_nucleus_larger_than_the_candidate_set(seeded, monkeypatch):
     assert int((ranks >= nucleus - 100).sum()) > 0, "the nucleus lost its tail"  # ~15 expected
     # Ranks 256..1500 hold ~67% of the nucleus mass.
     assert int((ranks >= 256).sum()) > rows // 2, "the nucleus was cut at the candidate set"
+
+
+def whole_row(md):
+    """The same metadata, made to race every token of every row (the path of
+    batches where some random row does not truncate)."""
+    return dataclasses.replace(md, every_random_row_truncated=False)
+
+
+@pytest.mark.parametrize("first", [16, 256])
+def test_leading_race_picks_the_whole_row_race_token_for_seeded_rows(first, monkeypatch):
+    # Rows whose truncation fits in the leading `first` tokens race those only;
+    # the others (a nucleus longer than `first`) race the whole row: either way
+    # a seeded row draws the token the whole-row race draws.
+    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", first)
+    vocab, rows = 3000, 400
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
+    shapes = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+        SamplingParams(temperature=1.2, top_p=0.99, min_p=0.01),
+    ]
+    params = [dataclasses.replace(shapes[i % 4], seed=i) for i in range(rows)]
+    md = build_sampling_metadata(params, [[]] * rows, [[1] * (i % 3) for i in range(rows)], vocab, "cpu")
+    assert md.every_random_row_truncated
+    leading = Sampler()(logits, md).sampled_token_ids
+    whole = Sampler()(logits, whole_row(md)).sampled_token_ids
+    assert torch.equal(leading, whole)
+
+
+def test_leading_race_keeps_ties_beyond_the_leading_tokens(monkeypatch):
+    # 40 tokens tie for the largest logit and top_k=2 keeps every tie: more
+    # than the 16 leading tokens, so the race must look beyond them.
+    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", 16)
+    vocab, rows = 200, 8000
+    logits = torch.full((vocab,), -5.0)
+    tied = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:40]
+    logits[tied] = 3.0
+    torch.manual_seed(0)
+    tokens = sample([SamplingParams(top_k=2)] * rows, logits.expand(rows, -1).contiguous()).sampled_token_ids
+    expected = torch.zeros(vocab)
+    expected[tied] = 1.0
+    assert_distribution(tokens, expected)
+
+
+def test_leading_race_draws_the_truncated_target_with_the_global_generator(monkeypatch):
+    # Unseeded rows draw from torch's generator on either path: check the
+    # distribution of a batch split between the two (nucleus 3 fits in the
+    # 4 leading tokens, nucleus 6 does not).
+    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", 4)
+    torch.manual_seed(3)
+    half = N_DRAWS // 2
+    params = [SamplingParams(top_p=0.7)] * half + [SamplingParams(top_p=0.97)] * half
+    tokens = sample(params, LOGITS.expand(2 * half, -1).contiguous()).sampled_token_ids
+    assert_distribution(tokens[:half], keep([1, 5, 3]))
+    assert_distribution(tokens[half:], keep([1, 5, 3, 7, 0, 4]))
 
 
 def test_hash_noise_is_uniform_and_independent():
