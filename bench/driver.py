@@ -96,7 +96,9 @@ async def _one(
             token_ids=req.prompt_token_ids,
             max_tokens=req.max_tokens,
             ignore_eos=True,
-            temperature=0.0,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
             request_id=f"{id_prefix}-{index}",
         ):
             now = time.perf_counter() - t0

@@ -1,13 +1,21 @@
 """Median time of one Sampler call (metadata build excluded and included).
 
-    .venv/bin/python bench/sampler_cpu.py [--batch 64] [--vocab 49152] [--iters 20] [--threads N]
+    .venv/bin/python bench/sampler_cpu.py [--batch 64] [--vocab 49152] [--iters 20] [--threads N] [--logits model]
 
 Wall time, plus the process's CPU time, which a busy shared machine inflates
 less (with one thread the two agree when the machine is idle).
 
-Cases: all greedy (the argmax fast path); all temperature + top_p; temperature +
-top_p with repetition/presence/frequency penalties over a 512-token prompt and
-128 outputs; the same as seeded rows; greedy with top-5 logprobs.
+Logits: `random` (default), N(0, 3^2) per token, a flat distribution whose
+top-p nucleus holds thousands of tokens; `model`, the embedded model's own
+next-token logits over stdlib module docstrings (bench/bf16_quant_quality.py's
+texts, bfloat16, about a minute to compute), whose nucleus at temperature 0.8
+/ top-p 0.95 held a median 18 tokens (90th percentile 288): what served
+requests see. Each iteration takes the next `--batch` rows of them.
+
+Cases: all greedy (the argmax fast path); temperature alone; temperature +
+top_p; + top_k; top_k + top_p, seeded; temperature + top_p with
+repetition/presence/frequency penalties over a 512-token prompt and 128
+outputs; the same as seeded rows; greedy with top-5 logprobs.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ from shared.sampling_params import SamplingParams
 
 CASES = {
     "all greedy": SamplingParams(temperature=0.0),
+    "temperature 1.0": SamplingParams(temperature=1.0),
     "temperature + top_p": SamplingParams(temperature=0.8, top_p=0.95),
     "temperature + top_k": SamplingParams(temperature=0.8, top_k=50),
+    "top_k + top_p, seeded": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3),
     "top_p + penalties": SamplingParams(
         temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5
     ),
@@ -41,21 +51,29 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    ap.add_argument("--logits", choices=("random", "model"), default="random")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.batch, args.vocab, generator=gen) * 3
+    if args.logits == "model":
+        pool = model_logits()
+        args.vocab = pool.shape[1]
+    else:
+        pool = torch.randn(args.batch, args.vocab, generator=gen) * 3
     prompts = [torch.randint(args.vocab, (512,), generator=gen).tolist() for _ in range(args.batch)]
     outputs = [torch.randint(args.vocab, (128,), generator=gen).tolist() for _ in range(args.batch)]
     sampler = Sampler()
     print(
         f"B={args.batch} V={args.vocab} threads={torch.get_num_threads()} iters={args.iters} "
-        f"logits ~ N(0, 3^2), prompts 512 + outputs 128 tokens"
+        f"logits {'~ N(0, 3^2)' if args.logits == 'random' else f'of the model ({pool.shape[0]} positions)'}, "
+        "prompts 512 + outputs 128 tokens"
     )
     for name, params in CASES.items():
         call, cpu, total = [], [], []
-        for _ in range(args.iters):
+        for i in range(args.iters):
+            first = i * args.batch % max(1, pool.shape[0] - args.batch + 1)
+            logits = pool[first : first + args.batch].contiguous()
             t0 = time.perf_counter()
             md = build_sampling_metadata([params] * args.batch, prompts, outputs, args.vocab, "cpu")
             t1, c1 = time.perf_counter(), time.process_time()
@@ -69,6 +87,22 @@ def main() -> None:
             f"{statistics.median(cpu) * 1e3:7.1f} ms cpu   "
             f"with metadata {statistics.median(total) * 1e3:7.1f} ms wall"
         )
+
+
+def model_logits(tokens_per_text: int = 128) -> torch.Tensor:
+    """[positions, vocab] float32: the embedded model's next-token logits over
+    bf16_quant_quality's texts, in bfloat16 as served by default on CPUs with it."""
+    from tokenizers import Tokenizer
+
+    from bench.bf16_quant_quality import logits_by_position, texts
+    from executor_svc.attention import get_backend
+    from executor_svc.model_loader import load_model
+
+    loaded = load_model(None, torch.bfloat16, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=True)
+    tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
+    docs = [tokenizer.encode(t, add_special_tokens=False).ids[:tokens_per_text] for t in texts()]
+    rows = torch.cat([logits_by_position(loaded.model, ids, 32, torch.bfloat16) for ids in docs])
+    return rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0))]
 
 
 if __name__ == "__main__":

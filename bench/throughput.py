@@ -269,6 +269,8 @@ def main(args, argv: list[str]) -> dict:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.target and "," in args.dtype:
         raise ValueError("--target serves one dtype; give a single --dtype (it only labels the results)")
+    if (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0) and (args.baseline == "hf" or args.llama_server):
+        raise ValueError("the Hugging Face and llama.cpp baselines run greedy only: drop --temperature/--top-p/--top-k")
     result = report.new_result(SUITE, argv)
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.deterministic]
 

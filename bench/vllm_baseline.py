@@ -58,7 +58,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         req_file = os.path.join(tmp, "requests.json")
         with open(req_file, "w") as f:
-            json.dump([[r.prompt_token_ids, r.max_tokens] for r in requests], f)
+            json.dump([[r.prompt_token_ids, r.max_tokens, r.temperature, r.top_p, r.top_k] for r in requests], f)
         threads = num_threads or len(os.sched_getaffinity(0))
         env = {
             **os.environ,
@@ -86,10 +86,10 @@ def _script(req_file: str, model: str, dtype: str) -> None:
 
     with open(req_file) as f:
         reqs = json.load(f)
-    max_len = max(len(ids) + n for ids, n in reqs)
+    max_len = max(len(ids) + n for ids, n, *_ in reqs)
     llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max(1024, max_len), seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, *_ in reqs]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=n, ignore_eos=True) for _, n, t, p, k in reqs]
     llm.generate(
         prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False
     )  # warm-up, not timed
@@ -97,8 +97,8 @@ def _script(req_file: str, model: str, dtype: str) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = sum(len(ids) for ids, _ in reqs)
-    want = sum(n for _, n in reqs)
+    prompt_tokens = sum(len(ids) for ids, *_ in reqs)
+    want = sum(n for _, n, *_ in reqs)
     assert out_tokens == want, f"vLLM produced {out_tokens} tokens, the requests asked for {want}"
     import vllm
 

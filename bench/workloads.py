@@ -1,8 +1,9 @@
 """Benchmark workloads: seeded request lists and a JSONL reader.
 
 A workload is a list of `BenchRequest`s. Every suite sends prompts as token
-ids with `ignore_eos` and temperature 0, so each request produces exactly
-`max_tokens` tokens and two systems given the same list do the same work.
+ids with `ignore_eos`, so each request produces exactly `max_tokens` tokens
+and two systems given the same list do the same work; greedy (temperature
+0) unless --temperature/--top-p/--top-k ask every request to sample.
 
 Generators are pure functions of their seed: the same arguments give the same
 list on every machine, which is what lets PagedServe, Hugging Face and vLLM be
@@ -30,12 +31,21 @@ class BenchRequest:
     max_tokens: int
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
 
     def __post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.prompt is None):
             raise ValueError("a BenchRequest needs exactly one of prompt_token_ids and prompt")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"need temperature >= 0, top_p in (0, 1], top_k >= 0; got {self}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     @property
     def prompt_len(self) -> int:
@@ -200,6 +210,7 @@ def describe(requests: list[BenchRequest]) -> dict:
         prompt_len_max=max(p),
         output_len_min=min(o),
         output_len_max=max(o),
+        sampling=sorted({(r.temperature, r.top_p, r.top_k) for r in requests}),
     )
 
 
@@ -221,6 +232,9 @@ def add_workload_args(p, *, num_requests: int = 64, prompt_len: str = "64:512", 
     g.add_argument("--prompt-len", default=prompt_len, help="LO:HI tokens (uniform workload)")
     g.add_argument("--output-len", default=output_len, help="LO:HI tokens (uniform workload)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="every request's (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="every request's (0: off)")
 
 
 def workload_from_args(args, vocab_size: int, tokenize) -> list[BenchRequest]:
@@ -228,9 +242,12 @@ def workload_from_args(args, vocab_size: int, tokenize) -> list[BenchRequest]:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.jsonl:
-        return tokenize_text_prompts(read_jsonl(args.jsonl, limit=args.num_requests), tokenize)
-    if args.workload == "longtail":
-        return long_tail_workload(args.num_requests, vocab_size, args.seed)
-    return uniform_workload(
-        args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab_size, args.seed
-    )
+        requests = tokenize_text_prompts(read_jsonl(args.jsonl, limit=args.num_requests), tokenize)
+    elif args.workload == "longtail":
+        requests = long_tail_workload(args.num_requests, vocab_size, args.seed)
+    else:
+        requests = uniform_workload(
+            args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab_size, args.seed
+        )
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return [dataclasses.replace(r, **sampling) for r in requests]

@@ -179,6 +179,14 @@ def test_suites_run_end_to_end(engine, tmp_path):
     d = t["dtypes"][0]
     assert d["pagedserve_rounds"][0]["output_tokens"] == d["workload"]["output_tokens"]
     assert d["pagedserve"]["output_tokens_per_s"] > 0
+    assert d["workload"]["sampling"] == [[0.0, 1.0, 0]]  # greedy by default
+
+    # Sampled requests still produce exactly max_tokens each (ignore_eos).
+    sampling = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "40"]
+    t = _run("throughput", [*small, "--num-requests", "4", *sampling], tmp_path / "ts")
+    d = t["dtypes"][0]
+    assert d["workload"]["sampling"] == [[0.8, 0.9, 40]]
+    assert d["pagedserve_rounds"][0]["output_tokens"] == d["workload"]["output_tokens"]
 
     s = _run("serve", [*small, "--num-requests", "4", "--rates", "8,inf", "--repeats", "2"], tmp_path / "s")
     assert [r["rate"] for r in s["rates"]] == [8.0, math.inf] and len(s["rounds"]) == 2
@@ -228,6 +236,16 @@ def test_suites_run_end_to_end(engine, tmp_path):
     for run in (p["on"], p["off"]):
         assert run["cached_prompt_tokens"] + run["computed_prefill_tokens"] == run["prompt_tokens"]
         assert run["prompt_tokens"] == run["workload"]["prompt_tokens"]
+
+
+def test_sampling_flags_refuse_the_greedy_only_baselines():
+    from bench import throughput
+    from bench.__main__ import parser
+
+    for extra in (["--baseline", "hf"], ["--llama-server", "llama-server"]):
+        argv = ["throughput", "--temperature", "0.7", *extra]
+        with pytest.raises(ValueError, match="greedy only"):
+            throughput.main(parser().parse_args(argv), argv)
 
 
 def test_all_runs_every_suite_with_flags_that_parse(monkeypatch):
