@@ -181,13 +181,17 @@ class Sampler:
         uniforms, as _race_leading does, so that a seeded row draws the same
         token whichever race it runs in.
         """
-        if logits.device.type != "cpu" or not fused_ops.available(logits):
+        seeded = self._seeded_rows(md, rows)
+        if (
+            logits.device.type != "cpu"
+            or not fused_ops.available(logits)
+            or (seeded is not None and seeded.numel() == logits.shape[0])
+        ):
             return argmax(logits - self._log_exponential(logits, md, rows=rows))
         keys = torch.randint(0, 1 << 32, (logits.shape[0],), dtype=torch.int64)
-        tokens = fused_ops.race_rows(logits, keys)
+        tokens = fused_ops.race_rows(logits, keys)  # seeded rows among them are raced again below
         if tokens is None:
             return argmax(logits - self._log_exponential(logits, md, rows=rows))
-        seeded = self._seeded_rows(md, rows)
         if seeded is not None and seeded.numel():
             chosen = seeded if rows is None else rows[seeded]
             tokens[seeded] = argmax(logits[seeded] - self._log_exponential(logits[seeded], md, rows=chosen))
@@ -227,8 +231,9 @@ class Sampler:
         inside, beyond = fits.nonzero().squeeze(1), (~fits).nonzero().squeeze(1)
         if inside.numel():
             tokens[inside] = self._race_leading(values[inside], ids[inside], threshold[inside], md, inside)
-        rest = logits[beyond].masked_fill(logits[beyond] < threshold[beyond], -math.inf)
-        tokens[beyond] = self._race_whole_rows(rest, md, beyond)
+        # `logits` is this call's own tempered copy: every row's may be masked in place.
+        rest, floor = (logits, threshold) if not inside.numel() else (logits[beyond], threshold[beyond])
+        tokens[beyond] = self._race_whole_rows(rest.masked_fill_(rest < floor, -math.inf), md, beyond)
         return tokens
 
     def _race_leading(self, values, ids, threshold, md: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:

@@ -61,6 +61,8 @@ def threshold(
     vocab_size = logits.shape[1]
 
     def top_k_d(rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is not None and rows.numel() == logits.shape[0]:
+            rows = None  # every row: no copy
         x = logits if rows is None else logits[rows]
         return x if floor is None else x.masked_fill(x < (floor if rows is None else floor[rows]), -math.inf)
 

@@ -58,10 +58,16 @@ class CpuStepLayout:
 
 
 def plan_step(meta: AttentionMetadata, batch_invariant: bool, tokens_per_item: int | None) -> CpuStepLayout:
-    """The step's work items; `tokens_per_item` of the prefill kernel, None
-    where there is none (its prefills then go to SDPA)."""
+    """The step's work items, for metadata that check_metadata accepted;
+    `tokens_per_item` of the prefill kernel, None where there is none (its
+    prefills then go to SDPA)."""
     if batch_invariant:
         return CpuStepLayout(every_token_decodes(meta), False, None)
+    if len(meta.query_lens_cpu) == meta.num_tokens:
+        # Decodes only (every query length is >= 1 and they sum to num_tokens:
+        # check_metadata): item i is query row i of request row i.
+        tokens = torch.arange(meta.num_tokens, dtype=torch.int64)
+        return CpuStepLayout(Decodes(tokens, tokens.to(torch.int32), max(meta.seq_lens_cpu)), False, None)
     rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     decodes = None
     if rows:
