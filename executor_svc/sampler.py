@@ -138,9 +138,7 @@ class Sampler:
         logits = (logits / md.temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
         best = None  # each row's leading tokens, sorted: (values, ids)
         if md.every_random_row_truncated and logits.device.type == "cpu":
-            # A multiple of 16 keeps every row's noise off torch's scalar tail
-            # loop, whose log may differ from the vector one in the last bit.
-            width = min(md.vocab_size, -(-max(top_p.FIRST_CANDIDATES, md.max_top_k) // 16) * 16)
+            width = min(md.vocab_size, max(top_p.FIRST_CANDIDATES, md.max_top_k))
             best = logits.topk(width, dim=-1)
         top_k_threshold = None
         if md.top_k is not None:

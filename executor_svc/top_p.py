@@ -47,16 +47,18 @@ def threshold(
     top-k: tokens below `floor` [R, 1] (each row's top-k threshold) are out.
 
     Usually the nucleus lies within the row's best tokens and a partial topk
-    suffices: `leading` (the row's best tokens, sorted, those below the floor
-    at -inf, where the caller has them), else its CANDIDATES best. Rows
+    suffices: `leading` (the row's best tokens, at least FIRST_CANDIDATES of
+    them, sorted, those below the floor at -inf, where the caller has them),
+    else its CANDIDATES best. Rows
     whose nucleus is longer look among CANDIDATES, then sort in full.
     Prefix sums of a longer sorted prefix start with the shorter one's
     (torch's CPU cumsum runs along the row), so every tier finds the same
     threshold. A row whose top-k survivors all lie among its first
     FIRST_CANDIDATES leading tokens takes its logsumexp over those alone: over
-    the whole row the -inf of every other token made torch's exp 2-3x slower.
-    Which tier and which sum a row takes depends only on that row (and the
-    fixed constants), so its result does too.
+    the whole row the -inf of every other token made torch's exp 2-3x slower;
+    a slice's logsumexp does not depend on the tensor it is cut from. Which
+    tier and which sum a row takes depends only on that row (and the fixed
+    constants), so its result does too.
     """
     vocab_size = logits.shape[1]
 
@@ -66,18 +68,21 @@ def threshold(
         x = logits if rows is None else logits[rows]
         return x if floor is None else x.masked_fill(x < (floor if rows is None else floor[rows]), -math.inf)
 
-    if leading is not None and floor is not None:
-        first = leading[:, : min(FIRST_CANDIDATES, leading.shape[1])]
+    if leading is None:
+        leading = top_k_d(None).topk(min(vocab_size, max(CANDIDATES, FIRST_CANDIDATES)), dim=-1).values
+    if floor is None:
+        lse = ops.logsumexp(logits)
+    else:
+        # The same sum for a row whichever caller built `leading` (whether the
+        # rest of its batch truncates or not): over its first FIRST_CANDIDATES
+        # sorted tokens where every survivor lies among them, else the whole row.
+        first = leading[:, : min(FIRST_CANDIDATES, vocab_size)]
         lse = ops.logsumexp(first)
         if first.shape[1] < vocab_size:
             # Tokens beyond the first are <= first[:, -1]: all below the floor iff it is above that.
             outside = (floor <= first[:, -1:]).squeeze(1).nonzero().squeeze(1)  # host sync
             if outside.numel():
                 lse[outside] = ops.logsumexp(top_k_d(outside))
-    else:
-        lse = ops.logsumexp(top_k_d(None))
-    if leading is None:
-        leading = top_k_d(None).topk(min(vocab_size, CANDIDATES), dim=-1).values
     threshold, mass = nucleus_threshold(leading, lse, top_p, ops)
     width = leading.shape[1]
     while width < vocab_size:

@@ -132,12 +132,14 @@ def whole_row(md):
     return dataclasses.replace(md, every_random_row_truncated=False)
 
 
-@pytest.mark.parametrize("first", [16, 256])
-def test_leading_race_picks_the_whole_row_race_token_for_seeded_rows(first, monkeypatch):
+@pytest.mark.parametrize("first, candidates", [(16, 64), (256, 4096)])
+def test_leading_race_picks_the_whole_row_race_token_for_seeded_rows(first, candidates, monkeypatch):
     # Rows whose truncation fits in the leading `first` tokens race those only;
     # the others (a nucleus longer than `first`) race the whole row: either way
-    # a seeded row draws the token the whole-row race draws.
+    # a seeded row draws the token the whole-row race draws. With (16, 64),
+    # top-p's nuclei also go through the middle tier (16 -> 64 -> full sort).
     monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", first)
+    monkeypatch.setattr(top_p_module, "CANDIDATES", candidates)
     vocab, rows = 3000, 400
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
@@ -171,16 +173,70 @@ def test_leading_race_keeps_ties_beyond_the_leading_tokens(monkeypatch):
 
 
 def test_leading_race_draws_the_truncated_target_with_the_global_generator(monkeypatch):
-    # Unseeded rows draw from torch's generator on either path: check the
-    # distribution of a batch split between the two (nucleus 3 fits in the
-    # 4 leading tokens, nucleus 6 does not).
-    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", 4)
-    torch.manual_seed(3)
+    # Unseeded rows draw from torch's generator on either path: a batch split
+    # between a nucleus of 3 (within the 16 leading tokens of 64) and one of
+    # 30 (beyond them: the whole-row race) draws each target distribution.
+    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", 16)
+    paths = {"leading": 0, "whole": 0}
+    for name, attr in (("leading", "_race_leading"), ("whole", "_race_whole_rows")):
+        real = getattr(Sampler, attr)
+
+        def counted(self, *args, _real=real, _name=name):
+            paths[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(Sampler, attr, counted)
+    gen = torch.Generator().manual_seed(7)
+    probs = torch.rand(64, generator=gen, dtype=torch.float64) ** 3 + 1e-3
+    probs /= probs.sum()
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+
+    def nucleus(n):  # top_p halfway between the masses before ranks n - 1 and n: ranks 0..n-1
+        target = torch.zeros_like(probs)
+        target[order[:n]] = probs[order[:n]]
+        return SamplingParams(top_p=float(before[n - 1] + before[n]) / 2), target
+
+    (short, short_target), (long, long_target) = nucleus(3), nucleus(30)
     half = N_DRAWS // 2
-    params = [SamplingParams(top_p=0.7)] * half + [SamplingParams(top_p=0.97)] * half
-    tokens = sample(params, LOGITS.expand(2 * half, -1).contiguous()).sampled_token_ids
-    assert_distribution(tokens[:half], keep([1, 5, 3]))
-    assert_distribution(tokens[half:], keep([1, 5, 3, 7, 0, 4]))
+    torch.manual_seed(3)
+    logits = probs.log().float().expand(2 * half, -1).contiguous()
+    tokens = sample([short] * half + [long] * half, logits).sampled_token_ids
+    assert paths == {"leading": 1, "whole": 1}
+    assert_distribution(tokens[:half], short_target)
+    assert_distribution(tokens[half:], long_target)
+
+
+def test_top_k_top_p_row_draws_the_same_token_whatever_its_batch():
+    # top-p's sum over a top-k'd row is taken over its leading tokens where
+    # they hold every survivor; that choice must not depend on whether the
+    # other rows truncate (the leading path) or not (the whole-row path).
+    # Find a row where summing over the whole masked row and over its 256
+    # leading tokens differ in the last bits, and a top_p on a mass before
+    # some rank that the difference moves: the nucleus then depends on the sum.
+    vocab, k = 4096, 40
+    x = torch.randn(200, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    found = None
+    for r in range(x.shape[0]):
+        row = x[r : r + 1]
+        leading = row.topk(256, dim=-1).values
+        floor = leading[:, k - 1 : k]
+        whole = row.masked_fill(row < floor, -math.inf).logsumexp(-1, keepdim=True)
+        first = leading.masked_fill(leading < floor, -math.inf).logsumexp(-1, keepdim=True)
+        kept = leading[:, :k]
+        before = [((kept - lse).exp().cumsum(-1) - (kept - lse).exp())[0] for lse in (whole, first)]
+        moved = [i for i in range(1, k - 1) if before[0][i] != before[1][i]]
+        if moved:
+            found = row, float(max(before[0][moved[0]], before[1][moved[0]]))
+            break
+    assert found, "no row whose two sums differ: the test needs another seed"
+    row, top_p = found
+    untruncated = SamplingParams(temperature=1.0, seed=1)
+    for seed in range(100):
+        params = SamplingParams(temperature=1.0, top_k=k, top_p=top_p, seed=seed)
+        alone = sample([params], row).sampled_token_ids[0].item()
+        beside = sample([params, untruncated], torch.cat([row, row])).sampled_token_ids[0].item()
+        assert alone == beside, f"seed {seed}: alone {alone}, beside an untruncated row {beside}"
 
 
 def test_hash_noise_is_uniform_and_independent():
