@@ -106,49 +106,6 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
 #endif
 }
 
-/* out[r] = the index of the largest x[r][i] (the first one on ties), or of
- * the first NaN in the row if it has any: torch.argmax's answer, for the
- * greedy rows of a step's logits. torch's argmax over the last dimension ran
- * ~9x slower than its max (2.4 ms for 64 x 49,152). Each lane keeps its own
- * running maximum and where it first saw it (a strict > keeps the earliest);
- * the lanes then agree on the largest value and the smallest index holding
- * it. Returns -1 where this build has no AVX-512 path, and the caller keeps
- * torch's. */
-int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)
-{
-#ifdef __AVX512F__
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * ld_x;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i best_i = _mm512_setzero_si512();
-        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i step = _mm512_set1_epi32(16);
-        int first_nan = -1;
-        for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
-            const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            if (nan) { /* chunks are scanned in order: this is the row's first NaN */
-                first_nan = i + __builtin_ctz(nan);
-                break;
-            }
-            const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-            best = _mm512_mask_mov_ps(best, gt, v);
-            best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-        }
-        const float top = _mm512_reduce_max_ps(best);
-        const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        /* A row of only -inf: no lane ever beat its start, and index 0 is the first maximum. */
-        out[r] = first_nan >= 0 ? first_nan : top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_top, best_i);
-    }
-    return 0;
-#else
-    (void)out; (void)x; (void)ld_x; (void)rows; (void)cols; (void)num_threads;
-    return -1;
-#endif
-}
-
 #ifdef __AVX512F__
 /* lowbias32 on 16 lanes: seeded_noise.py's _mix32_, in 32-bit lanes. */
 static inline __m512i mix32(__m512i x)
@@ -159,7 +116,62 @@ static inline __m512i mix32(__m512i x)
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
+
+/* The first index of a row's largest score, or of its first NaN; 0 for a
+ * row of only -inf. The score is x, or with `noisy` x - ln(-ln u) for the
+ * uniforms hashed from `key` (race_rows_f32). Each lane keeps its own
+ * running maximum and where it first saw it (a strict > keeps the
+ * earliest); the lanes then agree on the largest value and the smallest
+ * index holding it. Inlined into each caller with `noisy` constant. */
+static inline __attribute__((always_inline)) int64_t scan_row(const float *xr, int cols, int noisy, __m512i key)
+{
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_i = _mm512_setzero_si512();
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16), salt = _mm512_set1_epi32((int)0xC2B2AE35u);
+    int first_nan = -1;
+    for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
+        const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
+        if (noisy) {
+            const __m512i h = mix32(_mm512_xor_si512(key, mix32(mix32(_mm512_xor_si512(idx, salt)))));
+            const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)),
+                                                         _mm512_set1_ps(0.5f)),
+                                           _mm512_set1_ps(1.0f / (1 << 23)));
+            const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log512(u)); /* in [6e-8, 16.6] */
+            s = _mm512_sub_ps(s, log512(e));
+        }
+        const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+        if (nan) /* chunks are scanned in order: this is the row's first NaN */
+            return i + __builtin_ctz(nan);
+        const __mmask16 gt = _mm512_cmp_ps_mask(s, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, gt, s);
+        best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    /* A row of only -inf: no lane ever beat its start, and index 0 is the first maximum. */
+    return top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_top, best_i);
+}
 #endif
+
+/* out[r] = the index of the largest x[r][i] (the first one on ties), or of
+ * the first NaN in the row if it has any: torch.argmax's answer, for the
+ * greedy rows of a step's logits. torch's argmax over the last dimension ran
+ * ~9x slower than its max (2.4 ms for 64 x 49,152). Returns -1 where this
+ * build has no AVX-512 path, and the caller keeps torch's. */
+int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)
+{
+#ifdef __AVX512F__
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
+    for (int r = 0; r < rows; r++)
+        out[r] = scan_row(x + r * ld_x, cols, 0, _mm512_setzero_si512());
+    return 0;
+#else
+    (void)out; (void)x; (void)ld_x; (void)rows; (void)cols; (void)num_threads;
+    return -1;
+#endif
+}
 
 /* out[r] = argmax_v x[r][v] - ln E_v with E_v = -ln u_v: the sampler's
  * exponential race (sampler.py) for rows of tempered, masked logits, one
@@ -175,36 +187,8 @@ int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *key
 {
 #ifdef __AVX512F__
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * ld_x;
-        const __m512i key = _mm512_set1_epi32((int)(uint32_t)keys[r]);
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i best_i = _mm512_setzero_si512();
-        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i step = _mm512_set1_epi32(16), salt = _mm512_set1_epi32((int)0xC2B2AE35u);
-        int first_nan = -1;
-        for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
-            const __m512i h = mix32(_mm512_xor_si512(key, mix32(mix32(_mm512_xor_si512(idx, salt)))));
-            const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 9)),
-                                                         _mm512_set1_ps(0.5f)),
-                                           _mm512_set1_ps(1.0f / (1 << 23)));
-            const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log512(u)); /* in [6e-8, 16.6] */
-            const __m512 s = _mm512_sub_ps(v, log512(e));
-            const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-            if (nan) { /* chunks are scanned in order: this is the row's first NaN */
-                first_nan = i + __builtin_ctz(nan);
-                break;
-            }
-            const __mmask16 gt = _mm512_cmp_ps_mask(s, best, _CMP_GT_OQ);
-            best = _mm512_mask_mov_ps(best, gt, s);
-            best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-        }
-        const float top = _mm512_reduce_max_ps(best);
-        const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        out[r] = first_nan >= 0 ? first_nan : top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_top, best_i);
-    }
+    for (int r = 0; r < rows; r++)
+        out[r] = scan_row(x + r * ld_x, cols, 1, _mm512_set1_epi32((int)(uint32_t)keys[r]));
     return 0;
 #else
     (void)out; (void)x; (void)ld_x; (void)keys; (void)rows; (void)cols; (void)num_threads;
