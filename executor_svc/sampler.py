@@ -235,6 +235,7 @@ class Sampler:
         return tokens
 
     def _race_leading(self, values, ids, threshold, md: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+        """The race among each row's leading tokens at or above its threshold; ties to the smallest id."""
         running = values >= threshold
         scores = values.masked_fill(~running, -math.inf) - self._log_exponential(values, md, ids, rows)
         top = scores.max(dim=-1, keepdim=True).values
