@@ -70,8 +70,9 @@ def threshold(
 
     if leading is None:
         leading = top_k_d(None).topk(min(vocab_size, max(CANDIDATES, FIRST_CANDIDATES)), dim=-1).values
-    if floor is None:
-        lse = ops.logsumexp(logits)
+    if floor is None or logits.device.type != "cpu":
+        # (CUDA keeps the whole-row sum: its rows never take the leading path.)
+        lse = ops.logsumexp(top_k_d(None))
     else:
         # The same sum for a row whichever caller built `leading` (whether the
         # rest of its batch truncates or not): over its first FIRST_CANDIDATES
