@@ -208,3 +208,20 @@ def race_rows(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         out.data_ptr(), x.data_ptr(), x.stride(0), keys.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()
     )
     return out if status == 0 else None
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[rows, cols] float32 -> float32 [rows, 1], each row's logsumexp (torch's
+    to within a few float32 roundings; NaN, +-inf and all -inf rows as torch
+    has them; native/fused_ops.c: logsumexp_rows_f32); None where the native
+    build has no vector path (no AVX-512)."""
+    assert x.dtype == torch.float32 and x.dim() == 2, f"logsumexp_rows reads float32 [rows, cols], got {x.dtype}"
+    lib = _lib()
+    if lib is None or x.device.type != "cpu":
+        return None
+    x = _rows(x)
+    out = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    status = lib.logsumexp_rows_f32(
+        out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads()
+    )
+    return out if status == 0 else None

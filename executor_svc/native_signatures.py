@@ -30,6 +30,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)",
         "int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *keys, int rows, int cols,"
         " int num_threads)",
+        "int logsumexp_rows_f32(float *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)",
     ),
     "native/fused_ops_bf16.c": (
         "int rms_norm_bf16(uint16_t *out, int64_t ld_out, uint16_t *x, int64_t ld_x, const uint16_t *delta,"

@@ -15,6 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import fused_ops
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: natively for float32 on CPU (fused_ops.logsumexp_rows, per row and
+    in one order, so as batch-invariant as torch's), else torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        out = fused_ops.logsumexp_rows(x)
+        if out is not None:
+            return out
+    return x.logsumexp(dim=-1, keepdim=True)
+
 
 def _top_by_topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     top = x.topk(n, dim=-1)
@@ -32,7 +44,7 @@ class RowOps:
     """The sampler's reductions over each row of a float32 [rows, V] tensor."""
 
     log_softmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.log_softmax(dim=-1)
-    logsumexp: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
+    logsumexp: Callable[[torch.Tensor], torch.Tensor] = _logsumexp  # [rows, 1]
     cumsum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.cumsum(dim=-1)
     top: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _top_by_topk  # (values, ids) [rows, n]
 

@@ -210,3 +210,54 @@ def test_race_rows_nan_and_all_masked_rows_as_argmax_rows():
     x[1] = float("-inf")
     x[2, 33] = 50.0  # far ahead of any noise
     assert fused_ops.race_rows(x, torch.tensor([1, 2, 3])).tolist() == [25, 0, 33]
+
+
+@needs_vector_argmax
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 1000, 49152])
+def test_logsumexp_rows_matches_a_float64_reference(cols):
+    """Within a few float32 roundings of the exact value, as torch's own is."""
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols)) * 4
+    x[1, : cols // 2] = -math.inf  # masked tokens, as top-k leaves them
+    out = fused_ops.logsumexp_rows(x)
+    exact = x.double().logsumexp(dim=-1, keepdim=True)
+    assert out.shape == (9, 1) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=4e-7, atol=4e-7)
+    torch.testing.assert_close(out, x.logsumexp(dim=-1, keepdim=True), rtol=4e-7, atol=4e-7)
+
+
+@needs_vector_argmax
+def test_logsumexp_rows_gives_nan_and_infinities_as_torch():
+    x = torch.randn(6, 40)
+    x[0] = -math.inf  # every token masked: -inf
+    x[1, 5] = math.inf
+    x[2, 7] = math.nan
+    x[3, :39] = -math.inf  # one token left: its own logit
+    x[4, 3] = -math.inf
+    x[5, 2], x[5, 3] = math.nan, math.inf  # NaN wins over +inf, as in torch
+    out, expected = fused_ops.logsumexp_rows(x), x.logsumexp(dim=-1, keepdim=True)
+    assert torch.equal(out.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(out[finite].isinf(), expected[finite].isinf())
+    torch.testing.assert_close(out[finite], expected[finite], rtol=4e-7, atol=0.0)
+    assert out[3].item() == x[3, 39].item()
+
+
+@needs_vector_argmax
+def test_logsumexp_rows_of_a_row_do_not_depend_on_its_batch_or_stride():
+    """Each row is one thread's, summed in one order: alone, in a batch or cut
+    from a wider tensor (top-p's leading slice), the same bits."""
+    wide = torch.randn(64, 4096, generator=torch.Generator().manual_seed(1)) * 3
+    x = wide[:, :1000]
+    batch = fused_ops.logsumexp_rows(x)
+    alone = torch.cat([fused_ops.logsumexp_rows(x[i : i + 1].contiguous()) for i in range(64)])
+    assert torch.equal(batch, alone)
+    assert torch.equal(batch, fused_ops.logsumexp_rows(x.contiguous()))
+
+
+@needs_vector_argmax
+def test_the_samplers_cpu_logsumexp_is_the_native_one():
+    """top_p.py sums each row through RowOps: on CPU, in float32, that is logsumexp_rows."""
+    from executor_svc.row_ops import RowOps
+
+    x = torch.randn(8, 3000, generator=torch.Generator().manual_seed(2)) * 2
+    assert torch.equal(RowOps().logsumexp(x), fused_ops.logsumexp_rows(x))

@@ -195,3 +195,50 @@ int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *key
     return -1;
 #endif
 }
+
+/* out[r] = ln sum_v e^x[r][v], each row's logsumexp for the sampler's top-p
+ * (top_p.py): its max, then the sum of e^(x - max) in 16 lanes and across
+ * them, two passes over the row where torch's logsumexp made five (max,
+ * subtract, exp, sum, log) and took 3.2 ms for 64 x 49,152 on an AMD EPYC.
+ * exp512's ~2 ulp and this order of summation put it within a few float32
+ * roundings of torch's value. As torch: a row with a NaN gives NaN, a row
+ * whose largest value is infinite gives that infinity (an all -inf row,
+ * -inf). Each row is one thread's, summed in one order, so its value does
+ * not depend on the rows beside it. Returns -1 where this build has no
+ * AVX-512 path, and the caller keeps torch's. */
+int logsumexp_rows_f32(float *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)
+{
+#ifdef __AVX512F__
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * ld_x;
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (int i = 0; i < cols; i += 16) {
+            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            top16 = _mm512_max_ps(top16, v);
+        }
+        const float top = _mm512_reduce_max_ps(top16);
+        if (nan || isinf(top)) {
+            out[r] = nan ? NAN : top;
+            continue;
+        }
+        /* Lanes past the row's end add nothing; a -inf inside it adds exp512's
+         * floor, e^-87 ~ 1.6e-38, against the max's own 1. */
+        const __m512 t = _mm512_set1_ps(top);
+        __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int i = 0; i < cols; i += 16) {
+            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+            sum[(i >> 4) & 1] = _mm512_add_ps(sum[(i >> 4) & 1], _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(v, t))));
+        }
+        out[r] = top + logf(_mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1])));
+    }
+    return 0;
+#else
+    (void)out; (void)x; (void)ld_x; (void)rows; (void)cols; (void)num_threads;
+    return -1;
+#endif
+}
