@@ -1,6 +1,7 @@
 """Median time of one Sampler call (metadata build excluded and included).
 
     .venv/bin/python bench/sampler_cpu.py [--batch 64] [--vocab 49152] [--iters 20] [--threads N] [--logits model]
+        [--against-torch]
 
 Wall time, plus the process's CPU time, which a busy shared machine inflates
 less (with one thread the two agree when the machine is idle).
@@ -16,6 +17,10 @@ Cases: all greedy (the argmax fast path); temperature alone; temperature +
 top_p; + top_k; top_k + top_p, seeded; temperature + top_p with
 repetition/presence/frequency penalties over a 512-token prompt and 128
 outputs; the same as seeded rows; greedy with top-5 logprobs.
+
+--against-torch also runs each call on torch's logsumexp and topk
+(RowOps.torch_only(): the sampler before they went native), alternating
+call by call, and prints that time and its ratio to the default's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 
 import torch
 
+from executor_svc.row_ops import RowOps
 from executor_svc.sampler import Sampler, build_sampling_metadata
 from shared.sampling_params import SamplingParams
 
@@ -52,6 +58,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     ap.add_argument("--logits", choices=("random", "model"), default="random")
+    ap.add_argument(
+        "--against-torch",
+        action="store_true",
+        help="also time the sampler on torch's logsumexp and topk (RowOps.torch_only), alternating call by call",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,30 +74,41 @@ def main() -> None:
         pool = torch.randn(args.batch, args.vocab, generator=gen) * 3
     prompts = [torch.randint(args.vocab, (512,), generator=gen).tolist() for _ in range(args.batch)]
     outputs = [torch.randint(args.vocab, (128,), generator=gen).tolist() for _ in range(args.batch)]
-    sampler = Sampler()
+    samplers = {"sampler": Sampler()}
+    if args.against_torch:
+        samplers["torch ops"] = Sampler(RowOps.torch_only())
     print(
         f"B={args.batch} V={args.vocab} threads={torch.get_num_threads()} iters={args.iters} "
         f"logits {'~ N(0, 3^2)' if args.logits == 'random' else f'of the model ({pool.shape[0]} positions)'}, "
         "prompts 512 + outputs 128 tokens"
     )
     for name, params in CASES.items():
-        call, cpu, total = [], [], []
+        call = {k: [] for k in samplers}
+        cpu, total = [], []
         for i in range(args.iters):
             first = i * args.batch % max(1, pool.shape[0] - args.batch + 1)
             logits = pool[first : first + args.batch].contiguous()
             t0 = time.perf_counter()
             md = build_sampling_metadata([params] * args.batch, prompts, outputs, args.vocab, "cpu")
-            t1, c1 = time.perf_counter(), time.process_time()
-            sampler(logits, md)
-            t2, c2 = time.perf_counter(), time.process_time()
-            call.append(t2 - t1)
-            cpu.append(c2 - c1)
-            total.append(t2 - t0)
-        print(
-            f"{name:28s} sampler {statistics.median(call) * 1e3:7.1f} ms wall "
+            md_s = time.perf_counter() - t0
+            # Alternate which sampler goes first, so that drift on a shared machine falls on both.
+            for k in list(samplers)[:: 1 if i % 2 else -1]:
+                t1, c1 = time.perf_counter(), time.process_time()
+                samplers[k](logits.clone(), md)
+                t2, c2 = time.perf_counter(), time.process_time()
+                call[k].append(t2 - t1)
+                if k == "sampler":
+                    cpu.append(c2 - c1)
+                    total.append(md_s + t2 - t1)
+        line = (
+            f"{name:28s} sampler {statistics.median(call['sampler']) * 1e3:7.1f} ms wall "
             f"{statistics.median(cpu) * 1e3:7.1f} ms cpu   "
             f"with metadata {statistics.median(total) * 1e3:7.1f} ms wall"
         )
+        if args.against_torch:
+            theirs = statistics.median(call["torch ops"])
+            line += f"   torch ops {theirs * 1e3:7.1f} ms ({theirs / statistics.median(call['sampler']):.2f}x)"
+        print(line)
 
 
 def model_logits(tokens_per_text: int = 128) -> torch.Tensor:

@@ -37,8 +37,7 @@ def top_k_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = fused_ops.topk_rows(x, k)
         if out is not None:
             return out
-    top = x.topk(k, dim=-1)
-    return top.values, top.indices
+    return _top_by_topk(x, k)
 
 
 def _top_by_topk(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +59,14 @@ class RowOps:
     logsumexp: Callable[[torch.Tensor], torch.Tensor] = _logsumexp  # [rows, 1]
     cumsum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.cumsum(dim=-1)
     top: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = _top_by_topk  # (values, ids) [rows, n]
+    # Each row's k largest, sorted (values, ids): the sampler's leading tokens and top-p's tiers.
+    leading: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = top_k_rows
+
+    @staticmethod
+    def torch_only() -> RowOps:
+        """torch's own logsumexp and topk on CPU too: the baseline that
+        bench/sampler_cpu.py --against-torch times the native ones against."""
+        return RowOps(logsumexp=lambda x: x.logsumexp(dim=-1, keepdim=True), leading=_top_by_topk)
 
     @staticmethod
     def triton() -> RowOps:

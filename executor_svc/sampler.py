@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc import fused_ops, top_p
-from executor_svc.row_ops import RowOps, top_k_rows
+from executor_svc.row_ops import RowOps
 from executor_svc.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.step_plan import TokenLogprobs
@@ -139,11 +139,11 @@ class Sampler:
         best = None  # each row's leading tokens, sorted: (values, ids)
         if md.every_random_row_truncated and logits.device.type == "cpu":
             width = min(md.vocab_size, max(top_p.FIRST_CANDIDATES, md.max_top_k))
-            best = top_k_rows(logits, width)
+            best = self.ops.leading(logits, width)
         top_k_threshold = None
         if md.top_k is not None:
             # Threshold at each row's k-th largest value; ties at the threshold stay in.
-            kth = best[0] if best is not None else top_k_rows(logits, md.max_top_k)[0]
+            kth = best[0] if best is not None else self.ops.leading(logits, md.max_top_k)[0]
             top_k_threshold = kth.gather(1, (md.top_k.clamp(max=md.max_top_k) - 1)[:, None])
             top_k_threshold.masked_fill_((md.top_k >= md.vocab_size)[:, None], -math.inf)
         # top-p and min-p as one mask: min-p compares each probability with the

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from executor_svc.row_ops import RowOps, top_k_rows
+from executor_svc.row_ops import RowOps
 
 # Top-p looks for the nucleus among each row's this many most likely tokens and
 # sorts the whole row only when they hold less than top_p of the mass.
@@ -19,7 +19,7 @@ CANDIDATES = 4096
 # usually lies among them, and the race then draws noise for them alone.
 # Over a 49,152-token vocabulary at 64 rows (AMD EPYC, 2 threads) torch's
 # topk(256) took 6.7 ms against 23 ms for topk(4096), and full-row noise 17 ms;
-# the native top_k_rows (row_ops.py) takes 1.6-1.9 ms for topk(256).
+# the native top_k_rows (row_ops.py, RowOps.leading) takes 1.6-1.9 ms for topk(256).
 FIRST_CANDIDATES = 256
 
 
@@ -70,7 +70,7 @@ def threshold(
         return x if floor is None else x.masked_fill(x < (floor if rows is None else floor[rows]), -math.inf)
 
     if leading is None:
-        leading = top_k_rows(top_k_d(None), min(vocab_size, max(CANDIDATES, FIRST_CANDIDATES)))[0]
+        leading = ops.leading(top_k_d(None), min(vocab_size, max(CANDIDATES, FIRST_CANDIDATES)))[0]
     if floor is None or logits.device.type != "cpu":
         # (CUDA keeps the whole-row sum: its rows never take the leading path.)
         lse = ops.logsumexp(top_k_d(None))
@@ -93,7 +93,7 @@ def threshold(
             break
         width = CANDIDATES if width < CANDIDATES else vocab_size
         rows = top_k_d(short)
-        longer = top_k_rows(rows, width)[0] if width < vocab_size else rows.sort(dim=-1, descending=True).values
+        longer = ops.leading(rows, width)[0] if width < vocab_size else rows.sort(dim=-1, descending=True).values
         threshold[short], mass[short] = nucleus_threshold(longer, lse[short], top_p[short], ops)
     # top_p = 1 keeps everything even where rounding pushes the cumsum past 1.
     return threshold.masked_fill((top_p >= 1.0)[:, None], -math.inf)
