@@ -447,3 +447,17 @@ def test_kv_read_bandwidth_times_the_dot_route_beside_the_kernel(capsys):
     f32, bf16 = (next(line for line in lines if f" {dt} " in line) for dt in ("float32", "bfloat16"))
     assert "dot" not in f32 and " now " in f32
     assert " dot " in bf16 and "now/dot" in bf16 and "of copy" in bf16
+
+
+def test_text_prompts_are_distinct_runs_of_docstring_words(tmp_path):
+    from bench import text_prompts
+
+    out = tmp_path / "text.jsonl"
+    text_prompts.main(["--out", str(out), "--num-requests", "6", "--prompt-words", "40:60", "--output-len", "8:9"])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 6 and all(8 <= r["max_tokens"] <= 9 for r in lines)
+    assert all(40 <= len(r["prompt"].split()) <= 60 for r in lines)
+    words = text_prompts.stdlib_words()
+    joined = " ".join(r["prompt"] for r in lines)
+    assert joined == " ".join(words[: len(joined.split())])  # consecutive, none repeated
+    assert len(read_jsonl(str(out), limit=6)) == 6
