@@ -255,3 +255,28 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | No
     )
     assert status in (0, -1, -2), f"topk_rows_f32 returned {status}"
     return (values, ids) if status == 0 else None
+
+
+def temper_rows(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor | None:
+    """[rows, cols] float32 / temperature [rows], clamped to float32's largest
+    finite value, as a new tensor: `(x / temperature[:, None]).clamp_(max=...)`
+    bit for bit in one pass (native/fused_ops.c: temper_rows_f32); None where
+    the native build has no vector path."""
+    assert x.dtype == temperature.dtype == torch.float32 and x.dim() == 2, f"{x.dtype} {temperature.dtype}"
+    assert temperature.shape == (x.shape[0],), f"one temperature per row, got {tuple(temperature.shape)}"
+    lib = _lib()
+    if lib is None or x.device.type != "cpu":
+        return None
+    x, t = _rows(x), temperature.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    status = lib.temper_rows_f32(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        t.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        torch.get_num_threads(),
+    )
+    return out if status == 0 else None

@@ -135,7 +135,12 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logits: [R, V], the random rows only. Truncations mask tokens to -inf."""
         # A saturated penalty over a temperature below 1 overflows: saturate again.
-        logits = (logits / md.temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
+        tempered = fused_ops.temper_rows(logits, md.temperature) if logits.device.type == "cpu" else None
+        logits = (
+            tempered
+            if tempered is not None
+            else (logits / md.temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
+        )
         best = None  # each row's leading tokens, sorted: (values, ids)
         if md.every_random_row_truncated and logits.device.type == "cpu":
             width = min(md.vocab_size, max(top_p.FIRST_CANDIDATES, md.max_top_k))

@@ -316,3 +316,15 @@ def test_the_samplers_cpu_topk_is_the_native_one():
     x = torch.randn(8, 3000, generator=torch.Generator().manual_seed(4)).round()
     native, ours = fused_ops.topk_rows(x, 300), RowOps().leading(x, 300)
     assert torch.equal(native[0], ours[0]) and torch.equal(native[1], ours[1])
+
+
+@needs_vector_argmax
+@pytest.mark.parametrize("cols", [1, 17, 49152])
+def test_temper_rows_is_torchs_division_and_clamp_bit_for_bit(cols):
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(cols)) * 5
+    x[0, 0], x[1, 0], x[2, 0], x[3, 0] = math.nan, math.inf, -math.inf, 3e38  # 3e38 / 0.05 overflows: clamped
+    t = torch.tensor([0.05, 0.7, 1.0, 0.05, 2.0, 1e-5])
+    want = (x / t[:, None]).clamp_(max=torch.finfo(torch.float32).max)
+    got = fused_ops.temper_rows(x, t)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got.data_ptr() != x.data_ptr()  # the caller's logits stay as they were

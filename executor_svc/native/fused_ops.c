@@ -414,3 +414,29 @@ int topk_rows_f32(float *values, int64_t ld_v, int64_t *ids, int64_t ld_i, const
     return -1;
 }
 #endif
+
+/* out[r][v] = min(x[r][v] / t[r], FLT_MAX): the sampler's temperature in one
+ * pass where torch made two over a fresh tensor (the division, then the
+ * clamp that keeps a saturated penalty over a temperature below 1 finite).
+ * The quotient is IEEE division's, as torch's, so the bits are its; NaN
+ * stays NaN and -inf -inf. Returns -1 where this build has no AVX-512 path. */
+int temper_rows_f32(float *out, int64_t ld_out, const float *x, int64_t ld_x, const float *t, int rows, int cols,
+                    int num_threads)
+{
+#ifdef __AVX512F__
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
+    for (int r = 0; r < rows; r++) {
+        const __m512 tv = _mm512_set1_ps(t[r]), most = _mm512_set1_ps(3.40282347e+38f);
+        for (int i = 0; i < cols; i += 16) {
+            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            /* min(most, q) returns q where q is NaN (the second operand on unordered). */
+            const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + r * ld_x + i), tv);
+            _mm512_mask_storeu_ps(out + r * ld_out + i, m, _mm512_min_ps(most, q));
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)ld_out; (void)x; (void)ld_x; (void)t; (void)rows; (void)cols; (void)num_threads;
+    return -1;
+#endif
+}
