@@ -34,9 +34,11 @@ which one it ran in (docs/optimization_log.md has what these two measured).
 Batch invariance (--deterministic, docs/determinism.md): every step is per
 row, and the only sums over a row are log_softmax, logsumexp and cumsum
 (`RowOps`, row_ops.py); max, topk/sort values, argmax (first index among ties)
-and the threshold comparisons are exact whatever order they run in. torch's
-row sums are per row on CPU; on CUDA they are not, so --deterministic there
-passes `RowOps.triton()` (row_ops.py says why and what it changes).
+and the threshold comparisons are exact whatever order they run in. On CPU
+the row sums are per row (logsumexp, the leading top-k and the temperature
+in native passes, one thread a row; the rest torch's); on CUDA they are
+not, so --deterministic there passes `RowOps.triton()` (row_ops.py says why
+and what it changes).
 
 Per-step inputs (`SamplingMetadata`, `build_sampling_metadata`) are built in
 sampling_metadata.py.
