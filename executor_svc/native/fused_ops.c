@@ -198,6 +198,23 @@ int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *key
 #endif
 }
 
+#ifdef __AVX512F__
+/* The row's largest value (-inf for an all -inf row); *nan says whether it holds a NaN. */
+static float row_max(const float *xr, int cols, int *nan)
+{
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (int i = 0; i < cols; i += 16) {
+        const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top16 = _mm512_max_ps(top16, v);
+    }
+    *nan = unordered != 0;
+    return _mm512_reduce_max_ps(top16);
+}
+#endif
+
 /* out[r] = ln sum_v e^x[r][v], each row's logsumexp for the sampler's top-p
  * (top_p.py): its max, then the sum of e^(x - max) in 16 lanes and across
  * them, two passes over the row where torch's logsumexp made five (max,
@@ -214,15 +231,8 @@ int logsumexp_rows_f32(float *out, const float *x, int64_t ld_x, int rows, int c
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 2)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + r * ld_x;
-        __m512 top16 = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int i = 0; i < cols; i += 16) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            top16 = _mm512_max_ps(top16, v);
-        }
-        const float top = _mm512_reduce_max_ps(top16);
+        int nan;
+        const float top = row_max(xr, cols, &nan);
         if (nan || isinf(top)) {
             out[r] = nan ? NAN : top;
             continue;
@@ -352,15 +362,8 @@ int topk_rows_f32(float *values, int64_t ld_v, int64_t *ids, int64_t ld_i, const
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic) if (rows >= 2)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + r * ld_x;
-        __m512 top16 = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int i = 0; i < cols; i += 16) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            top16 = _mm512_max_ps(top16, v);
-        }
-        const float m = _mm512_reduce_max_ps(top16);
+        int nan;
+        const float m = row_max(xr, cols, &nan);
         if (nan || m == INFINITY) { /* (an all -inf row is fine: its threshold is -inf at once) */
 #pragma omp atomic write
             status = -2;
