@@ -109,6 +109,12 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
 }
 
 #ifdef __AVX512F__
+/* The lanes of the 16 columns from i that lie inside a row of `cols`. */
+static inline __mmask16 tail_mask(int cols, int i)
+{
+    return cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+}
+
 /* lowbias32 on 16 lanes: seeded_noise.py's _mix32_, in 32-bit lanes. */
 static inline __m512i mix32(__m512i x)
 {
@@ -133,7 +139,7 @@ static inline __attribute__((always_inline)) int64_t scan_row(const float *xr, i
     const __m512i step = _mm512_set1_epi32(16), salt = _mm512_set1_epi32((int)0xC2B2AE35u);
     int first_nan = -1;
     for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
-        const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        const __mmask16 m = tail_mask(cols, i);
         __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
         if (noisy) {
             const __m512i h = mix32(_mm512_xor_si512(key, mix32(mix32(_mm512_xor_si512(idx, salt)))));
@@ -205,7 +211,7 @@ static float row_max(const float *xr, int cols, int *nan)
     __m512 top16 = _mm512_set1_ps(-INFINITY);
     __mmask16 unordered = 0;
     for (int i = 0; i < cols; i += 16) {
-        const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        const __mmask16 m = tail_mask(cols, i);
         const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, xr + i);
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         top16 = _mm512_max_ps(top16, v);
@@ -242,7 +248,7 @@ int logsumexp_rows_f32(float *out, const float *x, int64_t ld_x, int rows, int c
         const __m512 t = _mm512_set1_ps(top);
         __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int i = 0; i < cols; i += 16) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __mmask16 m = tail_mask(cols, i);
             const __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
             sum[(i >> 4) & 1] = _mm512_add_ps(sum[(i >> 4) & 1], _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(v, t))));
         }
@@ -262,17 +268,17 @@ static int count_at_least(const float *xr, int cols, float t)
     const __m512 tv = _mm512_set1_ps(t);
     int n = 0;
     for (int i = 0; i < cols; i += 16) {
-        const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        const __mmask16 m = tail_mask(cols, i);
         n += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, xr + i), tv, _CMP_GE_OQ));
     }
     return n;
 }
 
 /* A threshold t with at least k of the row's values >= t and, where ties
- * allow, at most 4k: from the row's max m, t = m - d for d doubling until k
- * values reach it, then bisected towards the fewest. t reaches -inf (every
- * value) at the latest, so k <= cols always ends it. */
-static float top_threshold(const float *xr, int cols, int k, float m)
+ * allow, at most 4k (*count: how many): from the row's max m, t = m - d for
+ * d doubling until k values reach it, then bisected towards the fewest. t
+ * reaches -inf (every value) at the latest, so k <= cols always ends it. */
+static float top_threshold(const float *xr, int cols, int k, float m, int *count)
 {
     float d = 1.f, t = m - d;
     int n = count_at_least(xr, cols, t);
@@ -294,6 +300,7 @@ static float top_threshold(const float *xr, int cols, int k, float m)
             hi = mid;
         }
     }
+    *count = n;
     return lo;
 }
 
@@ -369,8 +376,8 @@ int topk_rows_f32(float *values, int64_t ld_v, int64_t *ids, int64_t ld_i, const
             status = -2;
             continue;
         }
-        const float t = top_threshold(xr, cols, k, m);
-        const int n = count_at_least(xr, cols, t);
+        int n;
+        const float t = top_threshold(xr, cols, k, m, &n);
         const size_t room = (size_t)n + 16; /* a gather stores whole vectors */
         uint32_t *buf = malloc(room * 4 * sizeof(uint32_t));
         if (!buf) {
@@ -385,7 +392,7 @@ int topk_rows_f32(float *values, int64_t ld_v, int64_t *ids, int64_t ld_i, const
         __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         int got = 0;
         for (int i = 0; i < cols; i += 16, idx = _mm512_add_epi32(idx, step)) {
-            const __mmask16 lanes = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __mmask16 lanes = tail_mask(cols, i);
             const __m512 v = _mm512_maskz_loadu_ps(lanes, xr + i);
             const __mmask16 ge = _mm512_mask_cmp_ps_mask(lanes, v, tv, _CMP_GE_OQ);
             if (!ge)
@@ -431,7 +438,7 @@ int temper_rows_f32(float *out, int64_t ld_out, const float *x, int64_t ld_x, co
     for (int r = 0; r < rows; r++) {
         const __m512 tv = _mm512_set1_ps(t[r]), most = _mm512_set1_ps(3.40282347e+38f);
         for (int i = 0; i < cols; i += 16) {
-            const __mmask16 m = cols - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+            const __mmask16 m = tail_mask(cols, i);
             /* min(most, q) returns q where q is NaN (the second operand on unordered). */
             const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + r * ld_x + i), tv);
             _mm512_mask_storeu_ps(out + r * ld_out + i, m, _mm512_min_ps(most, q));
