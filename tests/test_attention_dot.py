@@ -83,6 +83,45 @@ def test_dot_decodes_are_attention_within_the_probabilities_rounding(head_dim, g
     assert not torch.equal(dot, widen), "the bf16 rounding should show"
 
 
+def with_keys_scaled(batch, factor):
+    """The batch with each request's key at position t multiplied by factor(t, seq_len),
+    in its cache slots and in the reference alike."""
+    k_cache = batch.k_cache.clone()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    block_size = k_cache.shape[1]
+    loc = batch.meta.query_start_loc.tolist()
+    keys, new_keys = [], []
+    for i, k in enumerate(batch.keys):
+        n = k.shape[0]
+        pos = torch.arange(n)
+        slots = batch.meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        scaled = (k.double() * torch.tensor([factor(t, n) for t in range(n)], dtype=torch.float64)[:, None, None]).to(
+            k.dtype
+        )
+        cached = n - (loc[i + 1] - loc[i])
+        k_flat[slots[:cached]] = scaled[:cached]
+        keys.append(scaled)
+        new_keys.append(scaled[cached:])
+    return dataclasses.replace(batch, k_cache=k_cache, keys=keys, new_key=torch.cat(new_keys))
+
+
+RISING = lambda t, n: 1 + 0.1 * t  # noqa: E731 - the running max climbs chunk after chunk
+FALLING = lambda t, n: 1 + 0.1 * (n - 1 - t)  # noqa: E731 - the first chunk holds the maximum
+SPIKE = lambda t, n: 40.0 if t == (2 * n) // 3 else 1.0  # noqa: E731 - one late key dominates
+
+
+@pytest.mark.parametrize("factor", [RISING, FALLING, SPIKE], ids=["rising", "falling", "spike"])
+def test_dot_decodes_rescale_when_a_later_chunk_scores_higher(factor):
+    """The dot path keeps a running max per head and rescales its sums only
+    when a chunk's score exceeds it by more than a slack (decode_dot.h):
+    scores that climb across chunks, that peak in the first chunk, or that
+    spike once late must all come out as attention within the rounding bound."""
+    batch = with_keys_scaled(batch_for(64, 3, seed=21), factor)
+    vmax = max(v.abs().max().item() for v in batch.values)
+    err = (decode("dot", batch).double() - rounded_query_reference(batch)).abs().max().item()
+    assert err <= 2.0**-8 * vmax + 1e-5, f"{err} against a bound of {2.0**-8 * vmax}"
+
+
 def test_the_dims_come_back_in_order():
     """V interleaved two tokens at a time and put back once: a cache whose
     every V row is its dims' indices must give those indices back exactly

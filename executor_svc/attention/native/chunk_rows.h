@@ -33,8 +33,8 @@ static inline int chunk_rows(int64_t *rows, const int32_t *table, int t0, int le
 /* The two prefetch stages of token j's slice (`bytes` from element `off` of
  * its row, `esz` bytes an element) of K and V: from the chunk after next
  * (rows `far`, n_far real) into L2, and from the next chunk (`next`, n_next)
- * into L1, where L2 has it by then. The callers spread these over a chunk's
- * V pass (paged_decode.c says why). */
+ * into L1, where L2 has it by then. decode_heads spreads these over a
+ * chunk's V pass (paged_decode.c says why), the dot path over its score pass. */
 static inline __attribute__((always_inline)) void
 prefetch_token(const char *k_cache, const char *v_cache, const int64_t *far, int n_far, const int64_t *next, int n_next,
                int j, int64_t off, int esz, int bytes)
@@ -49,6 +49,16 @@ prefetch_token(const char *k_cache, const char *v_cache, const int64_t *far, int
             __builtin_prefetch(k_cache + (next[j] + off) * esz + b, 0, 3);  /* T0 */
             __builtin_prefetch(v_cache + (next[j] + off) * esz + b, 0, 3);
         }
+}
+
+/* prefetch_token for share h of G of a chunk's tokens, so that one KV
+ * head's prefetches spread over the score passes of its G query heads. */
+static inline __attribute__((always_inline)) void
+prefetch_share(const char *k_cache, const char *v_cache, const int64_t *far, int n_far, const int64_t *next, int n_next,
+               int h, int G, int64_t off, int esz, int bytes)
+{
+    for (int j = h * CHUNK / G; j < (h + 1) * CHUNK / G; j++)
+        prefetch_token(k_cache, v_cache, far, n_far, next, n_next, j, off, esz, bytes);
 }
 
 #endif

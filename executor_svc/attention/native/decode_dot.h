@@ -28,6 +28,8 @@
  *        16-19, 24-27 and "hi" the other half; they are put back in order
  *        once, at the end. The running sum l adds the rounded probabilities,
  *        so the weights still sum to one exactly as used.
+ *   max  kept lazily (lazy_rescale, paged_decode.c), and l lane-wise until
+ *        the end: no horizontal reduction on most chunks.
  */
 
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_heads)(
@@ -36,15 +38,16 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
     int kv_first, int kv_count, float scale)
 {
     const int ND = NC / 2; /* 64-byte lines of one head's row: 32 bf16 values each */
-    uint16_t qb[MAX_ITEM_HEADS][128], pb[8][CHUNK];
-    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    uint16_t qb[MAX_ITEM_HEADS][128], pb[MAX_ITEM_HEADS][CHUNK];
+    float m[MAX_ITEM_HEADS];
+    __m512 l[MAX_ITEM_HEADS]; /* lane-wise running sums, added up once at the end */
     __m512 acc_mem[MAX_ITEM_HEADS][8]; /* [hh][2 * line + (0 lo, 1 hi)] */
     for (int hh = 0; hh < kv_count * G; hh++) {
         const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
         for (int d = 0; d < NC * 16; d++) qb[hh][d] = round_bf16(src[d]);
         for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
         m[hh] = -INFINITY;
-        l[hh] = 0.f;
+        l[hh] = _mm512_setzero_ps();
     }
     const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
     const int64_t first_off = (int64_t)kv_first * NC * 16;
@@ -54,15 +57,19 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
     for (int t0 = 0; t0 < len; t0 += CHUNK) {
         const int n = len - t0 < CHUNK ? len - t0 : CHUNK;
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        /* The next two chunks' rows, prefetched over this chunk's V pass (as decode_heads does). */
+        /* The next two chunks' rows, prefetched in two stages as decode_heads does, spread over
+         * this chunk's score pass (prefetch_share: each query head issues its share of its KV head's). */
         const int n_far = t0 + 2 * CHUNK < len ? chunk_rows(far, table, t0 + 2 * CHUNK, len, block_size, row_len) : 0;
+        /* Two passes over the KV heads: the scores and probabilities of all
+         * of them, then their P.V. Each head's softmax is a chain of
+         * dependent steps (sum16, exp, rounding) that the out-of-order core
+         * can only overlap with work independent of it and near it in program
+         * order: the next head's Q.K, the first heads' P.V. Interleaved per
+         * KV head as decode_heads does, the same arithmetic ran 1.1-1.3x
+         * slower on an AMD EPYC with AVX512-BF16; with the lazy max, the
+         * softmax was half of a chunk's time (docs/optimization_log.md). */
         for (int kv = 0; kv < kv_count; kv++) {
             const int64_t off = first_off + (int64_t)kv * NC * 16;
-            __m512 acc[8][8];
-#pragma GCC unroll 8
-            for (int h = 0; h < G; h++)
-#pragma GCC unroll 8
-                for (int c = 0; c < NC; c++) acc[h][c] = acc_mem[kv * G + h][c];
 #pragma GCC unroll 8
             for (int h = 0; h < G; h++) {
                 const int hh = kv * G + h;
@@ -78,19 +85,22 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
                 }
                 const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
                                                     _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
-                const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[hh] ? s_max : m[hh];
-                const __m256i e = bf16_round(_mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new)))));
-                const __m512 alpha = exp512(_mm512_set1_ps(m[hh] - m_new));
-                l[hh] = l[hh] * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(bf16_widen(e));
-                m[hh] = m_new;
-                _mm256_storeu_si256((__m256i *)pb[h], e);
-#pragma GCC unroll 8
-                for (int c = 0; c < NC; c++) acc[h][c] = _mm512_mul_ps(acc[h][c], alpha);
+                prefetch_share((const char *)kc, (const char *)vc, far, n_far, next, n_next, h, G, off, 2, NC * 32);
+                lazy_rescale(s, &m[hh], &l[hh], acc_mem[hh], NC);
+                const __m256i e = bf16_round(_mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[hh])))));
+                l[hh] = _mm512_add_ps(l[hh], bf16_widen(e));
+                _mm256_storeu_si256((__m256i *)pb[hh], e);
             }
+        }
+        for (int kv = 0; kv < kv_count; kv++) {
+            const int64_t off = first_off + (int64_t)kv * NC * 16;
+            __m512 acc[8][8];
+#pragma GCC unroll 8
+            for (int h = 0; h < G; h++)
+#pragma GCC unroll 8
+                for (int c = 0; c < NC; c++) acc[h][c] = acc_mem[kv * G + h][c];
             for (int j = 0; j < n; j += 2) {
                 /* Token j + 1 past the chunk's end: probability 0, row rows[0]'s (finite). */
-                for (int t = j; t < j + 2; t++)
-                    prefetch_token((const char *)kc, (const char *)vc, far, n_far, next, n_next, t, off, 2, NC * 32);
 #pragma GCC unroll 4
                 for (int c = 0; c < ND; c++) {
                     const __m512i va = _mm512_loadu_si512((const void *)(vc + rows[j] + off + 32 * c));
@@ -99,7 +109,7 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
 #pragma GCC unroll 8
                     for (int h = 0; h < G; h++) {
                         int32_t pair;
-                        __builtin_memcpy(&pair, pb[h] + j, sizeof pair);
+                        __builtin_memcpy(&pair, pb[kv * G + h] + j, sizeof pair);
                         const __m512i p = _mm512_set1_epi32(pair);
                         acc[h][2 * c] = DOT(acc[h][2 * c], p, lo);
                         acc[h][2 * c + 1] = DOT(acc[h][2 * c + 1], p, hi);
@@ -120,7 +130,7 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
     /* Dims back in order: line c's "lo" holds 0-3, 8-11, 16-19, 24-27 in its 128-bit lanes, "hi" the rest. */
     const __m512i first = unpack_order(0), second = unpack_order(1);
     for (int hh = 0; hh < kv_count * G; hh++) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[hh]));
         float *dst = out + (int64_t)(kv_first * G + hh) * out_head_stride;
         for (int c = 0; c < ND; c++) {
             const __m512 lo = acc_mem[hh][2 * c], hi = acc_mem[hh][2 * c + 1];

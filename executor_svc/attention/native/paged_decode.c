@@ -202,6 +202,27 @@ static inline __m512 sum16(__m512 v[16]) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
 }
 
+/* The online softmax's running max m of one query head, kept lazily (the
+ * dot path, decode_dot.h): the lane-wise sums l and the accumulators
+ * acc[0 .. NC-1] are rescaled by e^(m - m') only when a score of the chunk,
+ * s, exceeds m by more than RESCALE_SLACK. Until then the probabilities
+ * e^(s - m) may exceed 1, by at most e^8, which float32 sums and bf16's
+ * relative rounding hold as well as values <= 1: softmax does not depend on
+ * the shift. Most chunks then skip a horizontal max and an exp, two steps of
+ * each head's dependent chain. On the first chunk m = -inf, so any finite
+ * score sets it. */
+#define RESCALE_SLACK 8.0f
+static inline __attribute__((always_inline)) void lazy_rescale(__m512 s, float *m, __m512 *l, __m512 *acc, int NC)
+{
+    if (!_mm512_cmp_ps_mask(s, _mm512_set1_ps(*m + RESCALE_SLACK), _CMP_GT_OQ))
+        return;
+    const float m_new = _mm512_reduce_max_ps(s);
+    const __m512 alpha = exp512(_mm512_set1_ps(*m - m_new));
+    *l = _mm512_mul_ps(*l, alpha);
+    for (int c = 0; c < NC; c++) acc[c] = _mm512_mul_ps(acc[c], alpha);
+    *m = m_new;
+}
+
 /* One decode's attention for the query heads of KV heads kv_first ..
  * kv_first + kv_count - 1 (G per KV head), in one pass over its history with
  * an online softmax (running max m, sum l):
