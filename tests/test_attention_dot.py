@@ -122,6 +122,21 @@ def test_dot_decodes_rescale_when_a_later_chunk_scores_higher(factor):
     assert err <= 2.0**-8 * vmax + 1e-5, f"{err} against a bound of {2.0**-8 * vmax}"
 
 
+@pytest.mark.parametrize("position", [3, 5, 19])
+def test_a_nan_key_makes_its_requests_outputs_nan(position):
+    """A NaN score must not become the running max (lanes 3 and 19 are where
+    a horizontal max returns it): every head of a request whose history holds
+    the NaN key comes out NaN, as exact attention's does, and every other
+    request is unaffected."""
+    batch = with_keys_scaled(batch_for(64, 3, seed=23), lambda t, n: float("nan") if t == position else 1.0)
+    out, ref = decode("dot", batch).double(), rounded_query_reference(batch)
+    assert ref.isnan().any() and not ref.isnan().all(), "the batch must hold requests on both sides"
+    assert torch.equal(out.isnan(), ref.isnan())
+    vmax = max(v.abs().max().item() for v in batch.values)
+    fine = ~ref.isnan()
+    assert (out[fine] - ref[fine]).abs().max().item() <= 2.0**-8 * vmax + 1e-5
+
+
 def test_the_dims_come_back_in_order():
     """V interleaved two tokens at a time and put back once: a cache whose
     every V row is its dims' indices must give those indices back exactly

@@ -66,8 +66,8 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(decode_hea
          * can only overlap with work independent of it and near it in program
          * order: the next head's Q.K, the first heads' P.V. Interleaved per
          * KV head as decode_heads does, the same arithmetic ran 1.1-1.3x
-         * slower on an AMD EPYC with AVX512-BF16; with the lazy max, the
-         * softmax was half of a chunk's time (docs/optimization_log.md). */
+         * slower on an AMD EPYC with AVX512-BF16, where the old kernel ran in
+         * half the time without its softmax (docs/optimization_log.md). */
         for (int kv = 0; kv < kv_count; kv++) {
             const int64_t off = first_off + (int64_t)kv * NC * 16;
 #pragma GCC unroll 8

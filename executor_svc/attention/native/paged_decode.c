@@ -205,18 +205,30 @@ static inline __m512 sum16(__m512 v[16]) {
 /* The online softmax's running max m of one query head, kept lazily (the
  * dot path, decode_dot.h): the lane-wise sums l and the accumulators
  * acc[0 .. NC-1] are rescaled by e^(m - m') only when a score of the chunk,
- * s, exceeds m by more than RESCALE_SLACK. Until then the probabilities
- * e^(s - m) may exceed 1, by at most e^8, which float32 sums and bf16's
- * relative rounding hold as well as values <= 1: softmax does not depend on
- * the shift. Most chunks then skip a horizontal max and an exp, two steps of
- * each head's dependent chain. On the first chunk m = -inf, so any finite
- * score sets it. */
+ * s, exceeds m by more than RESCALE_SLACK, and m' is the largest of those
+ * scores. Until then the probabilities e^(s - m) may exceed 1, by at most
+ * e^8, which float32 sums and bf16's relative rounding hold as well as
+ * values <= 1: softmax does not depend on the shift. Most chunks then skip
+ * a horizontal max and an exp, two steps of each head's dependent chain. On
+ * the first chunk m = -inf, so any score above -inf sets it. A NaN score
+ * (a NaN query or key) never becomes m, which would stop every later
+ * rescale; it makes l NaN instead, so the head's output is NaN, as exact
+ * attention's would be. */
 #define RESCALE_SLACK 8.0f
 static inline __attribute__((always_inline)) void lazy_rescale(__m512 s, float *m, __m512 *l, __m512 *acc, int NC)
 {
-    if (!_mm512_cmp_ps_mask(s, _mm512_set1_ps(*m + RESCALE_SLACK), _CMP_GT_OQ))
+    /* Not (s <= m + slack): above it, or NaN; one compare on the common path. */
+    __mmask16 above = _mm512_cmp_ps_mask(s, _mm512_set1_ps(*m + RESCALE_SLACK), _CMP_NLE_UQ);
+    if (!above)
         return;
-    const float m_new = _mm512_reduce_max_ps(s);
+    const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    if (nan) {
+        *l = _mm512_set1_ps(NAN);
+        above &= (__mmask16)~nan;
+        if (!above)
+            return;
+    }
+    const float m_new = _mm512_mask_reduce_max_ps(above, s);
     const __m512 alpha = exp512(_mm512_set1_ps(*m - m_new));
     *l = _mm512_mul_ps(*l, alpha);
     for (int c = 0; c < NC; c++) acc[c] = _mm512_mul_ps(acc[c], alpha);
