@@ -23,7 +23,9 @@ def test_live_objects_are_frozen_and_garbage_is_not():
         before = len(gc.get_objects())
         report = freeze_startup_objects()
         assert dead() is None, "start-up's cyclic garbage is collected, not frozen"
-        assert report["frozen_objects"] == gc.get_freeze_count() >= len(kept)
+        # Threads left by earlier tests in this process may free frozen objects
+        # meanwhile (the count fell by 2 once in a full run), never freeze more.
+        assert report["frozen_objects"] >= gc.get_freeze_count() >= len(kept)
         assert report["frozen_objects"] <= before and report["gc_collect_ms"] >= 0
         # A full collection now traverses none of them.
         assert all(not any(o is k for o in gc.get_objects()) for k in kept[:3])
