@@ -38,9 +38,11 @@ def backend(route: str, dot_native: bool | None = None, prefill: str = "native")
     )
 
 
-def batch_for(head_dim: int, group: int, block_size: int = 16, float_queries: bool = True, seed: int = 0):
+def batch_for(
+    head_dim: int, group: int, block_size: int = 16, float_queries: bool = True, seed: int = 0, dtype=torch.bfloat16
+):
     batch = make_batch(
-        SHAPES, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=torch.bfloat16, seed=seed
+        SHAPES, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=seed
     )
     if float_queries:  # a widened bf16 model's: float32 queries and outputs, not bf16-valued
         query = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(seed + 1)) * 2
@@ -135,6 +137,23 @@ def test_a_nan_key_makes_its_requests_outputs_nan(position):
     vmax = max(v.abs().max().item() for v in batch.values)
     fine = ~ref.isnan()
     assert (out[fine] - ref[fine]).abs().max().item() <= 2.0**-8 * vmax + 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("position", [3, 5, 16, 19])
+def test_the_widening_route_makes_a_nan_keys_requests_outputs_nan(position, dtype):
+    """The float32-arithmetic kernel (decode_heads) takes each chunk's max
+    horizontally: a NaN score there must neither become the running max nor
+    count as a zero weight (its exp clamped away). Every head of a request
+    whose history holds the NaN key comes out NaN, as exact attention's does,
+    and every other request stays within float32 rounding of the reference."""
+    batch = batch_for(64, 3, seed=23, dtype=dtype)
+    batch = with_keys_scaled(batch, lambda t, n: float("nan") if t == position else 1.0)
+    out, ref = decode("widen", batch).double(), batch.expected(torch.float64)
+    assert ref.isnan().any() and not ref.isnan().all(), "the batch must hold requests on both sides"
+    assert torch.equal(out.isnan(), ref.isnan())
+    fine = ~ref.isnan()
+    torch.testing.assert_close(out[fine], ref[fine], rtol=1e-4, atol=1e-4)
 
 
 def test_the_dims_come_back_in_order():
