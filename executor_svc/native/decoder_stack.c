@@ -136,8 +136,12 @@ static int linear(const ds_model *m, const ds_linear *w, float *out, const float
                   int k, int threads)
 {
     if (w->route == DS_DOT) {
-        for (int64_t i = 0; i < (int64_t)rows * k; i++)
-            xb[i] = to_bf16(x[i]);
+        /* Shared out: on one thread this loop left the other spinning in
+         * libgomp for ~3% of a 64-decode step (perf, docs/optimization_log.md). */
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16 && threads > 1)
+        for (int r = 0; r < rows; r++)
+            for (int64_t i = (int64_t)r * k; i < (int64_t)(r + 1) * k; i++)
+                xb[i] = to_bf16(x[i]);
         return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads);
     }
     if (w->route == DS_INT8)
