@@ -50,12 +50,23 @@ def emulated(x, w, bias=None):
 
 @pytest.mark.parametrize(
     "rows,out_features,in_features",
-    [(1, 48, 32), (3, 70, 64), (8, 96, 96), (9, 100, 128), (17, 17, 64), (300, 49, 96), (64, 1536, 576)],
+    [
+        (1, 48, 32),
+        (3, 70, 64),
+        (8, 96, 96),
+        (9, 100, 128),
+        (17, 17, 64),
+        (300, 49, 96),
+        (520, 100, 64),
+        (2050, 49, 64),
+        (64, 1536, 576),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_emulated_dot_is_the_instructions_arithmetic_bit_for_bit(rows, out_features, in_features, with_bias):
-    """Tiles of 1..8 rows, a second 256-row chunk, partial last panels and
-    vectors; the whole k order is the one the reference spells out."""
+    """Tiles of 1..8 rows, two to nine row chunks of equal size (300, 520 and
+    2,050 rows: a last chunk and tile shorter than the others), partial last
+    panels and vectors; the whole k order is the one the reference spells out."""
     w = bf16_weight(out_features, in_features, seed=rows)
     gen = torch.Generator().manual_seed(out_features)
     x = torch.randn(rows, in_features, generator=gen)

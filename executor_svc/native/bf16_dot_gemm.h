@@ -88,7 +88,7 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
                                       const float *bias, int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int chunks = (M + MC - 1) / MC;
+    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
     const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -96,14 +96,14 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
         const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
         for (int64_t it = begin; it < end; it++) {
             const int mc = (int)(it / panels), p = (int)(it % panels);
-            const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+            const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const uint8_t *panel = blocks + (int64_t)p * panel_bytes;
-            const int num_tiles = (m_end - mc * MC + MR - 1) / MR;
+            const int num_tiles = (m_end - mc * mcr + MR - 1) / MR;
             const int prefetch = it + 1 < end && p + 1 < panels && panel_bytes <= PREFETCH_MAX_PANEL;
             const int share = prefetch ? (int)(panel_bytes / 64 / num_tiles) : 0;
             const char *next = (const char *)(panel + panel_bytes);
-            for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
+            for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
                 DOT_NAME(tile_rows)(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias ? bias + p * NR : 0,
                                     K, ncols, next + (int64_t)t * share * 64, share);

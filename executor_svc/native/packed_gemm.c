@@ -52,6 +52,19 @@
 #define PREFETCH_K 8   /* prefetch the panel this many k steps ahead */
 #define PREFETCH_MAX_PANEL (384 * 1024) /* bytes; larger panels are not prefetched ahead */
 
+/* Rows per chunk of an M-row call: M cut into equal chunks of at most MC
+ * rows, each a whole number of MR-row tiles (the last one may be shorter).
+ * Threads take equal runs of (chunk, panel) items, so equal chunks are what
+ * makes those runs equal work: cut at MC, 2,050 rows left one of two
+ * threads 1,152 rows of work and the other 898. */
+static inline int chunk_rows_for(int M)
+{
+    if (M <= 0)
+        return MR; /* no chunks at all; never a divisor of zero */
+    const int chunks = (M + MC - 1) / MC, rows = (M + chunks - 1) / chunks;
+    return (rows + MR - 1) / MR * MR;
+}
+
 /* The lanes of zmm j (columns 16j .. 16j+15) that lie inside a panel's
  * first ncols columns. */
 static inline __mmask16 column_mask(int ncols, int j)
@@ -122,7 +135,7 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
                 int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int chunks = (M + MC - 1) / MC;
+    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
     const int64_t panel_bytes = (int64_t)K * NR * 4;
     /* Each thread takes one contiguous run of the (row chunk, panel) pairs,
      * as a static schedule would, but knows where its run ends: the panel
@@ -133,16 +146,16 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
         const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
         for (int64_t it = begin; it < end; it++) {
             const int mc = (int)(it / panels), p = (int)(it % panels);
-            const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+            const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const float *panel = packed + (int64_t)p * K * NR;
             const float *bias_p = bias ? bias + p * NR : 0;
             /* The next panel's lines, shared out over this chunk's row tiles. */
-            const int num_tiles = (m_end - mc * MC + MR - 1) / MR;
+            const int num_tiles = (m_end - mc * mcr + MR - 1) / MR;
             const int prefetch = it + 1 < end && p + 1 < panels && panel_bytes <= PREFETCH_MAX_PANEL;
             const int share = prefetch ? (int)(panel_bytes / 64 / num_tiles) : 0;
             const char *next = (const char *)(panel + (int64_t)K * NR);
-            for (int m = mc * MC, t = 0; m < m_end; m += MR, t++) {
+            for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
                 tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols,
                           next + (int64_t)t * share * 64, share, 0);
@@ -304,7 +317,7 @@ static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, cons
                         const float *bias, int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int chunks = (M + MC - 1) / MC;
+    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
     const int64_t block_bytes = quant_block_bytes(fmt), panel_bytes = (int64_t)(K / QK) * block_bytes;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -317,7 +330,7 @@ static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, cons
         const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
         for (int64_t it = begin; it < end; it++) {
             const int mc = (int)(it / panels), p = (int)(it % panels);
-            const int m0 = mc * MC, rows = (mc + 1) * MC < M ? MC : M - mc * MC;
+            const int m0 = mc * mcr, rows = (mc + 1) * mcr < M ? mcr : M - mc * mcr;
             const int ncols = N - p * NR < NR ? N - p * NR : NR;
             const uint8_t *panel = blocks + p * panel_bytes;
             const int prefetch = it + 1 < end && p + 1 < panels;
