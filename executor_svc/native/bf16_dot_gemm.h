@@ -88,7 +88,8 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
                                       const float *bias, int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
+    const struct row_split rs = equal_chunks(M, MC, MR);
+    const int mcr = rs.rows, chunks = rs.chunks;
     const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
 #pragma omp parallel num_threads(num_threads)
     {

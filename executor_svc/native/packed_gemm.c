@@ -52,17 +52,21 @@
 #define PREFETCH_K 8   /* prefetch the panel this many k steps ahead */
 #define PREFETCH_MAX_PANEL (384 * 1024) /* bytes; larger panels are not prefetched ahead */
 
-/* Rows per chunk of an M-row call: M cut into equal chunks of at most MC
- * rows, each a whole number of MR-row tiles (the last one may be shorter).
+/* M rows cut into equal chunks of at most max_rows (>= tile_rows) rows,
+ * each a whole number of tile_rows-row tiles (the last one may be shorter).
  * Threads take equal runs of (chunk, panel) items, so equal chunks are what
- * makes those runs equal work: cut at MC, 2,050 rows left one of two
+ * makes those runs equal work: cut at MC = 256, 2,050 rows left one of two
  * threads 1,152 rows of work and the other 898. */
-static inline int chunk_rows_for(int M)
+struct row_split {
+    int chunks, rows; /* rows per chunk; chunks * rows >= M > (chunks - 1) * rows */
+};
+
+static inline struct row_split equal_chunks(int M, int max_rows, int tile_rows)
 {
     if (M <= 0)
-        return MR; /* no chunks at all; never a divisor of zero */
-    const int chunks = (M + MC - 1) / MC, rows = (M + chunks - 1) / chunks;
-    return (rows + MR - 1) / MR * MR;
+        return (struct row_split){0, tile_rows};
+    const int n = (M + max_rows - 1) / max_rows, rows = ((M + n - 1) / n + tile_rows - 1) / tile_rows * tile_rows;
+    return (struct row_split){(M + rows - 1) / rows, rows};
 }
 
 /* The lanes of zmm j (columns 16j .. 16j+15) that lie inside a panel's
@@ -135,7 +139,8 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
                 int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
+    const struct row_split rs = equal_chunks(M, MC, MR);
+    const int mcr = rs.rows, chunks = rs.chunks;
     const int64_t panel_bytes = (int64_t)K * NR * 4;
     /* Each thread takes one contiguous run of the (row chunk, panel) pairs,
      * as a static schedule would, but knows where its run ends: the panel
@@ -317,7 +322,8 @@ static void gemm_blocks(float *c, int64_t ldc, const float *a, int64_t lda, cons
                         const float *bias, int M, int N, int K, int num_threads)
 {
     const int panels = (N + NR - 1) / NR;
-    const int mcr = chunk_rows_for(M), chunks = (M + mcr - 1) / mcr;
+    const struct row_split rs = equal_chunks(M, MC, MR);
+    const int mcr = rs.rows, chunks = rs.chunks;
     const int64_t block_bytes = quant_block_bytes(fmt), panel_bytes = (int64_t)(K / QK) * block_bytes;
 #pragma omp parallel num_threads(num_threads)
     {

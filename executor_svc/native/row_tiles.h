@@ -11,15 +11,10 @@
 /* Rows in equal chunks (whole tiles) of at most ~ROW_CHUNK_BYTES of
  * activations, each passed over the panels in turn, so that a chunk stays
  * in L2 while the panels stream past it. */
-struct row_split {
-    int chunks, rows; /* rows per chunk, a multiple of the tile's */
-};
-
 static struct row_split split_rows(int M, int64_t row_bytes, int tile_rows)
 {
-    const int fit = (int)(ROW_CHUNK_BYTES / row_bytes), max_rows = fit > tile_rows ? fit : tile_rows;
-    const int chunks = (M + max_rows - 1) / max_rows;
-    return (struct row_split){chunks, ((M + chunks - 1) / chunks + tile_rows - 1) / tile_rows * tile_rows};
+    const int fit = (int)(ROW_CHUNK_BYTES / row_bytes);
+    return equal_chunks(M, fit > tile_rows ? fit : tile_rows, tile_rows);
 }
 
 /* One tile of rows [m, m + mr) times panel p, whose first `ncols` columns
