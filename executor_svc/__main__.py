@@ -46,7 +46,7 @@ async def serve_worker(config, tp) -> int:
     from executor_svc import weight_packing
     from executor_svc.metrics import ExecutorMetrics
     from executor_svc.model_loader import default_model_path
-    from executor_svc.server import SERVICE_NAME, serve
+    from executor_svc.server import SERVICE_NAME, forward_thread, serve
     from executor_svc.worker import Worker
     from shared.gc_startup import freeze_startup_objects
     from shared.metrics_http import serve_metrics
@@ -54,10 +54,11 @@ async def serve_worker(config, tp) -> int:
 
     path = config.model
     started = time.monotonic()
+    forward = forward_thread()
     try:
         path = path or default_model_path()
         log.info("model_loading", path=path, size_gib=round(_size_bytes(path) / 2**30, 2))
-        worker = Worker(config, tp)
+        worker = await asyncio.get_running_loop().run_in_executor(forward, Worker, config, tp)
     except ValueError as e:  # a model or setting this executor cannot serve: the message says which
         log.error("model_load_failed", path=path, error=str(e))
         return 1
@@ -80,7 +81,7 @@ async def serve_worker(config, tp) -> int:
     metrics = ExecutorMetrics(config.metrics_prefix, model_id(worker.model_config.model_name))
     if config.metrics_listen:
         serve_metrics(config.metrics_listen, metrics.registry)
-    server, health = await serve(worker, config.listen, metrics, config.auth_token)
+    server, health = await serve(worker, config.listen, metrics, config.auth_token, forward)
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("executor_serving", listen=config.listen)

@@ -2,7 +2,8 @@
 
 Protobuf is converted to the step dataclasses here and nowhere deeper. The
 forward pass runs on one dedicated thread so the event loop stays free for
-health checks and the next plan's decoding.
+health checks and the next plan's decoding; that thread also loads the model
+(`forward_thread`, below).
 
 Every call but health must carry the executor's secret (shared/executor_secret.py):
 a peer without it is refused UNAUTHENTICATED before any handler runs. Among
@@ -14,6 +15,7 @@ every handshake drops the request state and zeroes the KV memory
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +38,39 @@ STREAM_CLOSE_GRACE_S = 2.0  # how long another scheduler's handshake waits for t
 CLAIM_S = 10.0  # how long a handshake holds the executor before its Step stream opens
 SCHEDULER_ID_KEY = "pagedserve-scheduler-id"
 MAX_SCHEDULER_ID_CHARS = 128  # ids are logged: keep them short
+FORWARD_THREAD_NAME = "ps-forward"  # at most 15 bytes (the kernel's limit)
+
+
+def forward_thread() -> ThreadPoolExecutor:
+    """The one thread that builds the Worker and runs its every configure and step.
+
+    One thread, not just one at a time: libgomp (the OpenMP runtime torch and
+    the native kernels share) keeps a pool of worker threads for each thread
+    that ever ran a parallel region, and once the threads it manages outnumber
+    the CPUs it cuts every barrier's spin from 300,000 pause loops to 100, so
+    idle workers sleep and need a futex wake at each of a step's hundreds of
+    parallel regions. A model loaded on the event loop's thread and stepped on
+    this one did exactly that: decode steps 1.26-2.2x slower than on a single
+    thread, the cores idle a quarter of the time (docs/optimization_log.md).
+    Tasks run in the order they were submitted. On Linux the thread is named
+    FORWARD_THREAD_NAME for the OS, and the OpenMP workers it starts inherit
+    the name: `top -H` shows them, and a test checks that no others exist.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=_name_os_thread)
+
+
+def _name_os_thread() -> None:
+    try:
+        ctypes.CDLL(None).prctl(15, FORWARD_THREAD_NAME.encode())  # PR_SET_NAME: this thread only
+    except (OSError, AttributeError):  # not Linux: the name is only a convenience
+        pass
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
-    def __init__(self, worker: Worker, metrics: ExecutorMetrics):
+    def __init__(self, worker: Worker, metrics: ExecutorMetrics, forward: ThreadPoolExecutor):
         self._worker = worker
         self._metrics = metrics
-        # The worker's tensors are touched only from this one thread: steps and
-        # (re)configuration run in the order they were submitted.
-        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._forward_thread = forward  # the thread that built `worker`: the only one that touches its tensors
         self._instance_id = uuid.uuid4().hex
         # The scheduler this executor serves: claimed by a handshake, held while
         # its Step stream is open (or, before that stream opens, for CLAIM_S).
@@ -189,9 +215,10 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 async def serve(
-    worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str
+    worker: Worker, listen: str, metrics: ExecutorMetrics, auth_token: str, forward: ThreadPoolExecutor
 ) -> tuple[grpc.aio.Server, health.HealthServicer]:
-    """Serves `worker` on `listen`; every call but health must present `auth_token`."""
+    """Serves `worker`, which `forward` built and alone runs, on `listen`; every
+    call but health must present `auth_token`."""
     if not auth_token:
         raise ValueError("the executor serves only a scheduler that presents its secret: auth_token is required")
     server = grpc.aio.server(
@@ -203,7 +230,7 @@ async def serve(
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ],
     )
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, metrics), server)
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, metrics, forward), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

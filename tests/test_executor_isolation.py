@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2
 
 from executor_svc.config import ExecutorConfig
 from executor_svc.metrics import ExecutorMetrics
-from executor_svc.server import serve
+from executor_svc.server import forward_thread, serve
 from executor_svc.worker import Worker
 from pagedserve.executor.v1 import executor_pb2 as pb
 from pagedserve.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -243,7 +243,7 @@ async def owner_session(stub, scheduler_id: str, first: StepPlan, decodes: int) 
 def test_a_new_owner_with_the_secret_cannot_read_the_previous_owners_kv(worker, tmp_path):
     async def scenario():
         sock = f"unix://{tmp_path}/executor.sock"
-        server, _ = await serve(worker, sock, ExecutorMetrics(), SECRET)
+        server, _ = await serve(worker, sock, ExecutorMetrics(), SECRET, forward_thread())
         try:
             async with grpc.aio.insecure_channel(sock) as ch:
                 stub = pb_grpc.ExecutorStub(ch)
@@ -280,7 +280,7 @@ def test_every_handshake_zeroes_the_kv_memory_it_reuses(worker):
 
 def test_serving_without_a_secret_is_refused(worker):
     with pytest.raises(ValueError, match="secret"):
-        asyncio.run(serve(worker, "unix:///nonexistent/x.sock", ExecutorMetrics(), ""))
+        asyncio.run(serve(worker, "unix:///nonexistent/x.sock", ExecutorMetrics(), "", forward_thread()))
 
 
 # ---- malformed plans ---------------------------------------------------------------------

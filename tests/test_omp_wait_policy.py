@@ -4,6 +4,12 @@ The setting only works if it reaches the OpenMP runtime before torch loads it,
 so the behavioural test runs a fresh interpreter: after a parallel torch op,
 an idle thread under `active` keeps spinning (CPU time while the process only
 sleeps), under `passive` it sleeps.
+
+The wait also depends on where the executor runs parallel regions: libgomp
+keeps a worker pool for every thread that ran one, and once its threads
+outnumber the CPUs it cuts every spin short, whatever the policy. So a served
+executor, which loads and steps its model on one thread, must still spin
+under `active` after a request.
 """
 
 from __future__ import annotations
@@ -11,10 +17,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from executor_svc.config import parse_config
+from executor_svc.server import FORWARD_THREAD_NAME
+from pagedserve_client import Client
+from tests.servers import Servers
 
 IDLE_CPU = """
 import sys, time
@@ -51,3 +61,40 @@ def test_the_policy_reaches_the_openmp_runtime():
     # 0.5 s asleep: a spinning thread burns about that much CPU, a sleeping one none.
     assert idle_cpu_s("active") > 0.25
     assert idle_cpu_s("passive") < 0.05
+
+
+def cpu_s_by_thread_name(pid: int) -> dict[str, float]:
+    """utime + stime of each of the process's threads, summed by the thread's OS name."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
+    reason="an active wait spins only with a core for each thread; thread names are read from Linux's /proc",
+)
+def test_a_served_executors_openmp_workers_belong_to_its_forward_thread_and_spin():
+    # Were the model loaded on another thread than the one that steps it (as it
+    # once was: on the event loop's), each would hold a pool: 2 + 2 threads on
+    # 2 CPUs. The load's idle worker would spin on forever, and libgomp would cut
+    # the stepping pool's spins to ~1,000 pause loops: its worker asleep within
+    # microseconds after every parallel region, idle below.
+    args = ["--dtype", "bfloat16", "--kv-cache-gib", "0.1", "--num-threads", "2", "--omp-wait-policy", "active"]
+    with Servers(executor_args=args) as s, Client(s.public_addr) as client:
+        out = client.complete("The capital of France is", max_tokens=4, temperature=0.0, timeout=120)[0]
+        assert out.token_ids
+        time.sleep(0.2)  # the last step's result is on its way out
+        before = cpu_s_by_thread_name(s.executor.pid)
+        time.sleep(1.0)  # no step runs: only spinning OpenMP workers use CPU now
+        used = {k: v - before.get(k, 0.0) for k, v in cpu_s_by_thread_name(s.executor.pid).items()}
+    assert used.get(FORWARD_THREAD_NAME, 0.0) > 0.5, used
+    assert sum(v for k, v in used.items() if k != FORWARD_THREAD_NAME) < 0.3, used
