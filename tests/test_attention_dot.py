@@ -309,6 +309,32 @@ def test_the_prefill_dot_path_is_refused_where_it_has_no_instance():
     assert torch.equal(run_step(backend("widen", prefill="dot"), f32), run_step(backend("widen"), f32))
 
 
+@pytest.mark.parametrize(
+    "route,dtype", [("native", torch.float32), ("native", torch.bfloat16), ("dot", torch.bfloat16)]
+)
+@pytest.mark.parametrize("position", [3, 7, 18, 60])
+def test_a_nan_key_makes_the_prefill_rows_that_attend_to_it_nan(route, dtype, position):
+    """The prefill kernels weigh each key by exp512(score - running max): a NaN
+    key's weight must come out NaN, not as exp512's stand-in for zero, since
+    the running max, taken lane by lane in four chains, may or may not keep
+    it. Every query row at or past the NaN key (in the cache, or in the
+    chunk itself) comes out NaN, as exact attention's does; rows before it,
+    and other requests, stay within their usual rounding: float32's, or a
+    bf16 batch's outputs (and the dot route's weights) rounded to bf16."""
+    batch = make_batch(
+        PREFILL_SHAPES, block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=dtype, seed=31 + position
+    )
+    batch = with_keys_scaled(batch, lambda t, n: float("nan") if t == position else 1.0)
+    out = prefill(route, batch).double()
+    ref = rounded_query_reference(batch) if route == "dot" else batch.expected(torch.float64)
+    assert ref.isnan().any() and not ref.isnan().all(), "the batch must hold rows on both sides"
+    assert torch.equal(out.isnan(), ref.isnan())
+    fine = ~ref.isnan()
+    vmax = max(v.abs().max().item() for v in batch.values)
+    bound = 1e-4 if dtype == torch.float32 else 2.0**-8 * vmax + 1e-5  # bf16 outputs, and dot's bf16 weights
+    assert (out[fine] - ref[fine]).abs().max().item() <= bound
+
+
 @pytest.mark.skipif(not native_kernel.dot_native(), reason="needs AVX512-BF16")
 def test_prefill_vdpbf16ps_agrees_with_its_emulation():
     batch = prefill_batch(64, 3, seed=12)

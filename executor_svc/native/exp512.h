@@ -3,8 +3,10 @@
  * x = n ln2 + r with |r| <= ln2/2; e^r by its degree-6 Taylor series
  * (truncation error < 2e-7 relative), scaled by 2^n with scalef. About
  * 2 ulp. Inputs below -87 are raised to it, so e^-87 ~ 1.6e-38 stands in for
- * 0 (no denormals; a NaN input also comes out as e^-87, so callers must not
- * rely on exp512 to propagate NaN); above ~88.7 the result is +inf. Inline,
+ * 0 (no denormals); above ~88.7 the result is +inf; a NaN comes out NaN
+ * (VMAXPS returns its second operand when either is NaN, so x goes second):
+ * attention's softmax relies on that to carry a NaN score into its sums
+ * rather than weigh it as zero. Inline,
  * unlike libm's expf, so the caller's registers stay live and its loops
  * vectorize.
  *
@@ -16,7 +18,7 @@
 
 static inline __m512 exp512(__m512 x)
 {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);

@@ -258,15 +258,11 @@ static inline __attribute__((always_inline)) void decode_heads(
      * KV heads they wait in acc_mem (L1). */
     float qs[MAX_ITEM_HEADS][128], p[8][CHUNK], m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
     __m512 acc_mem[MAX_ITEM_HEADS][8];
-    /* Lanes that scored NaN (a NaN query or key), per head. Such a head's
-     * output is NaN, as exact attention's is: in the softmax below a NaN
-     * score may or may not come out of the horizontal max, and exp512 clamps
-     * it to a zero weight, so the key would silently not count. Recorded
-     * beside each chunk's max, not in its dependent chain: a branch or a
-     * masked max there made this kernel up to 1.18x slower. */
-    __mmask16 nan_seen[MAX_ITEM_HEADS];
+    /* A NaN score (a NaN query or key) may or may not come out of a chunk's
+     * horizontal max below, but exp512 keeps it NaN, so its weight makes l
+     * and the accumulators NaN: the head's output is NaN, as exact
+     * attention's is, with no check in the chunk's dependent chain. */
     for (int hh = 0; hh < kv_count * G; hh++) {
-        nan_seen[hh] = 0;
         const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
         for (int d = 0; d < NC * 16; d++) qs[hh][d] = src[d] * scale;
         for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
@@ -314,7 +310,6 @@ static inline __attribute__((always_inline)) void decode_heads(
                         part[j] = _mm512_fmadd_ps(qc, load16(k_cache, rows[j] + off + 16 * c, bf16), part[j]);
                 }
                 const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part));
-                nan_seen[hh] |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
                 const float s_max = _mm512_reduce_max_ps(s), m_new = s_max > m[hh] ? s_max : m[hh];
                 const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
                 /* The vector exp, not expf: a libm call would spill every accumulator.
@@ -347,7 +342,7 @@ static inline __attribute__((always_inline)) void decode_heads(
         n_next = n_far;
     }
     for (int hh = 0; hh < kv_count * G; hh++) {
-        const __m512 inv = _mm512_set1_ps(nan_seen[hh] ? NAN : 1.f / l[hh]);
+        const __m512 inv = _mm512_set1_ps(1.f / l[hh]);
         float *dst = out + (int64_t)(kv_first * G + hh) * out_head_stride;
         for (int c = 0; c < NC; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc_mem[hh][c], inv));
     }
