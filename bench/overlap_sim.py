@@ -83,12 +83,12 @@ async def serve_stand_in(listen: str, step_s: float) -> None:
     from grpc_health.v1 import health_pb2
 
     from executor_svc.metrics import ExecutorMetrics
-    from executor_svc.server import serve
+    from executor_svc.server import forward_thread, serve
     from shared.executor_secret import default_secret_dir, installation_secret
 
     # The secret the scheduler it serves uses (the same variable the real executor reads).
     secret = installation_secret(os.environ.get("PAGEDSERVE_SECRET_DIR") or default_secret_dir(os.environ))
-    server, health = await serve(StandInWorker(step_s), listen, ExecutorMetrics(), secret)
+    server, health = await serve(StandInWorker(step_s), listen, ExecutorMetrics(), secret, forward_thread())
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.wait_for_termination()
 
