@@ -131,9 +131,20 @@ def main(argv=None) -> int:
     set_omp_wait_policy(config.omp_wait_policy)
     try:
         import uvloop
+
+        loop_run = uvloop.run
     except ImportError:
-        return asyncio.run(run(config))
-    return uvloop.run(run(config))
+        loop_run = asyncio.run
+    try:
+        return loop_run(run(config))
+    except KeyboardInterrupt:
+        # Ctrl-C before serving began (once serving, SIGINT stops it cleanly): the model is
+        # loading on the forward thread, which cannot be interrupted and which a normal exit
+        # would wait for. Nothing is held yet that needs more than the OS's cleanup.
+        log.info("executor_interrupted_while_loading")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

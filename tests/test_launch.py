@@ -2,7 +2,8 @@
 
 The launcher routes each flag to the service that has it, starts executor,
 scheduler and gateway, prints where to send requests once they serve, and on
-SIGTERM or Ctrl-C stops all three and exits 0.
+SIGTERM or Ctrl-C stops all three and exits 0. An executor started by hand
+and interrupted while it loads exits at once.
 """
 
 from __future__ import annotations
@@ -268,3 +269,27 @@ def test_serve_with_a_missing_model_says_so_and_exits_1(tmp_path):
     out = log_path.read_text()
     assert "Traceback" not in out and "not in the Hugging Face cache" in out
     assert "executor_svc exited with code 1 during start-up" in out
+
+
+def test_ctrl_c_while_a_lone_executor_loads_exits_130_without_waiting_for_the_load(tmp_path):
+    """Run by hand (`python -m executor_svc`), the executor loads its model on
+    the forward thread, which a KeyboardInterrupt cannot stop and a normal exit
+    would wait for: Ctrl-C then ends the process at once, before the load
+    finishes, and says so."""
+    env = {**os.environ, "PAGEDSERVE_SECRET_DIR": str(tmp_path / "secret")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "executor_svc", "--listen", f"unix://{tmp_path}/executor.sock"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "model_loading" in line:  # the forward thread has the load now: seconds of it
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, rest
+    assert "executor_interrupted_while_loading" in rest and "model_loaded" not in rest
