@@ -280,6 +280,9 @@ def test_ctrl_c_while_a_lone_executor_loads_exits_130_without_waiting_for_the_lo
     proc = subprocess.Popen(
         [sys.executable, "-m", "executor_svc", "--listen", f"unix://{tmp_path}/executor.sock"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # As from a terminal: a test run started in the background (`make test &`, nohup)
+        # passes SIGINT on ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         for line in proc.stdout:
