@@ -79,8 +79,8 @@ def cpu_s_by_thread_name(pid: int) -> dict[str, float]:
 
 
 @pytest.mark.skipif(
-    (os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"),
-    reason="an active wait spins only with a core for each thread; thread names are read from Linux's /proc",
+    not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+    reason="libgomp throttles spinning on fewer CPUs than threads; thread names are read from Linux's /proc",
 )
 def test_a_served_executors_openmp_workers_belong_to_its_forward_thread_and_spin():
     # Were the model loaded on another thread than the one that steps it (as it
@@ -89,12 +89,13 @@ def test_a_served_executors_openmp_workers_belong_to_its_forward_thread_and_spin
     # the stepping pool's spins to ~1,000 pause loops: its worker asleep within
     # microseconds after every parallel region, idle below.
     args = ["--dtype", "bfloat16", "--kv-cache-gib", "0.1", "--num-threads", "2", "--omp-wait-policy", "active"]
-    with Servers(executor_args=args) as s, Client(s.public_addr) as client:
+    # The runner's own GOMP_SPINCOUNT, if any, would override the policy's spin: pin it.
+    with Servers(executor_args=args, env={"GOMP_SPINCOUNT": "infinite"}) as s, Client(s.public_addr) as client:
         out = client.complete("The capital of France is", max_tokens=4, temperature=0.0, timeout=120)[0]
         assert out.token_ids
         time.sleep(0.2)  # the last step's result is on its way out
         before = cpu_s_by_thread_name(s.executor.pid)
         time.sleep(1.0)  # no step runs: only spinning OpenMP workers use CPU now
         used = {k: v - before.get(k, 0.0) for k, v in cpu_s_by_thread_name(s.executor.pid).items()}
-    assert used.get(FORWARD_THREAD_NAME, 0.0) > 0.5, used
+    assert used.get(FORWARD_THREAD_NAME, 0.0) > 0.25, used  # ~1.0 alone on its core; ~0.0 throttled
     assert sum(v for k, v in used.items() if k != FORWARD_THREAD_NAME) < 0.3, used
