@@ -54,7 +54,7 @@ def forward_thread() -> ThreadPoolExecutor:
     thread, the cores idle a quarter of the time (docs/optimization_log.md).
     Tasks run in the order they were submitted. On Linux the thread is named
     FORWARD_THREAD_NAME for the OS, and the OpenMP workers it starts inherit
-    the name: `top -H` shows them, and a test checks that no others exist.
+    the name: `top -H` shows them, and a test checks that no other thread spins.
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=_name_os_thread)
 
