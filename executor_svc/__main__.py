@@ -12,6 +12,7 @@ import time
 import structlog
 
 from executor_svc.config import parse_config
+from executor_svc.heap import keep_freed_memory
 from shared.logging import configure_logging
 
 log = structlog.get_logger("executor_svc")
@@ -128,6 +129,7 @@ def set_omp_wait_policy(policy: str, environ=os.environ) -> None:
 def main(argv=None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_json, service="executor")
+    keep_freed_memory()  # before any thread starts: the forward thread must share the main arena
     set_omp_wait_policy(config.omp_wait_policy)
     try:
         import uvloop

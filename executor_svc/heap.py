@@ -1,0 +1,78 @@
+"""The executor's heap: a step's freed activations kept mapped for the next step.
+
+Why: a prefill step allocates and frees tens of megabytes of activations a
+layer (a 2,048-token chunk of the embedded model: 25 MB of float32 gate/up
+output alone), and glibc gives that memory back to the kernel between uses
+when the allocating thread is not the process's main thread. Such a thread
+gets an arena of its own, made of heaps of at most 64 MiB that glibc shrinks
+with MADV_DONTNEED as they empty, and every allocation above the mmap
+threshold is mapped for it and unmapped when freed. The next step then
+faults all of it in again, one zeroed 4 KiB page at a time. The executor
+runs every step on its forward thread (server.forward_thread): on an AMD EPYC
+(Zen 5, 2 cores) a 2,048-token prefill step of the embedded model took
+117,000-269,000 minor faults and 0.28-0.65 s of system time there, and
+1.09-1.38 s against 0.76-0.89 s for the same step on the main thread, which
+took no faults (docs/optimization_log.md, twenty-sixth session).
+
+So before any other thread exists, `keep_freed_memory` sets three of
+glibc's malloc parameters (mallopt(3)):
+
+    M_ARENA_MAX 1          every thread allocates from the main arena, whose
+                           heap grows and shrinks at its top
+    M_MMAP_THRESHOLD 32 MiB  fixed at glibc's ceiling (otherwise it starts at
+                           128 KiB and adapts): blocks up to that size come
+                           from the heap; larger ones (weights, the KV cache,
+                           huge activations) are still mapped on their own
+    M_TRIM_THRESHOLD 1 GiB the heap's top is handed back to the kernel only
+                           past that much free memory
+
+With all three, the same step on the forward thread took no faults (each
+alone, or the thresholds without one arena, did not get there). The cost:
+the heap keeps up to the largest step's activations mapped between steps,
+memory that step needs again anyway, and the executor's few other threads
+(gRPC, the event loop) share the main arena's lock with the forward thread.
+
+Only glibc has these parameters; elsewhere (musl, macOS) nothing is set and
+the log says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# mallopt(3) parameter numbers (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+
+SETTINGS = (
+    ("arena_max", M_ARENA_MAX, 1),
+    ("mmap_threshold_bytes", M_MMAP_THRESHOLD, 32 << 20),
+    ("trim_threshold_bytes", M_TRIM_THRESHOLD, 1 << 30),
+)
+
+
+def keep_freed_memory() -> dict[str, int] | None:
+    """Sets SETTINGS with glibc's mallopt; returns them as set, or None where
+    this C library has no mallopt. Must run while the main thread is the
+    process's only thread: a thread that has allocated already keeps its arena."""
+    assert threading.active_count() == 1, "the heap must be set up before any other thread starts"
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        log.info("heap_settings_unavailable", reason="no mallopt in this C library")
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    applied = {}
+    for name, param, value in SETTINGS:
+        # mallopt returns 1 on success; glibc accepts all three, so 0 is a foreign allocator.
+        if mallopt(param, value) != 1:
+            log.warning("heap_setting_refused", setting=name, value=value)
+            continue
+        applied[name] = value
+    log.info("heap_settings", **applied)
+    return applied
