@@ -12,7 +12,7 @@ import time
 import structlog
 
 from executor_svc.config import parse_config
-from executor_svc.heap import keep_freed_memory
+from executor_svc.heap import keep_freed_memory, release_free_memory
 from shared.logging import configure_logging
 
 log = structlog.get_logger("executor_svc")
@@ -63,6 +63,7 @@ async def serve_worker(config, tp) -> int:
     except ValueError as e:  # a model or setting this executor cannot serve: the message says which
         log.error("model_load_failed", path=path, error=str(e))
         return 1
+    release_free_memory()  # the load's temporaries, which keep_freed_memory's thresholds would keep
     frozen = freeze_startup_objects()
     log.info(
         "model_loaded",

@@ -71,6 +71,37 @@ def test_a_thread_reusing_its_activations_takes_no_page_faults_once_the_heap_has
     assert sum(faults[10:]) < 500, faults
 
 
+# 96 MB in 4 MB blocks, freed on a second thread: under keep_freed_memory's
+# thresholds the heap keeps it resident until release_free_memory.
+RELEASE = """
+import sys, threading
+from executor_svc.heap import keep_freed_memory, release_free_memory
+keep_freed_memory()
+import torch
+
+def rss_kb():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+def churn():
+    xs = [torch.ones(1 << 20) for _ in range(24)]
+    del xs
+
+t = threading.Thread(target=churn)
+t.start()
+t.join()
+kept = rss_kb()
+assert release_free_memory()
+print(kept, rss_kb())
+"""
+
+
+def test_release_free_memory_hands_the_heaps_free_memory_back():
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True)
+    kept_kb, released_kb = (int(x) for x in out.stdout.split("\n")[-2].split())
+    assert kept_kb - released_kb > 80_000, (kept_kb, released_kb)
+
+
 def test_the_executor_sets_its_heap_up_before_serving():
     # main() calls keep_freed_memory first thing, which asserts that no other
     # thread has started yet (a thread that allocated keeps its own arena); a
