@@ -65,7 +65,7 @@ from torch import nn
 
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
-from executor_svc.layer_ops import Kernels, swiglu
+from executor_svc.layer_ops import Kernels, mlp
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import PackedWeight
 from executor_svc.rope import apply_rope, rope_cache
@@ -186,8 +186,10 @@ class DecoderLayer(nn.Module):
         attn_out = self._reduce(ops.linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
         x = ops.add_rms_norm(h, attn_out, self.post_norm, self.eps)
-        gate_up = ops.linear(x, self.gate_up_weight, None, self.packed.get("gate_up"))
-        return h, self._reduce(ops.linear(swiglu(gate_up), self.down_weight, None, self.packed.get("down")))
+        down = mlp(
+            x, self.gate_up_weight, self.down_weight, self.packed.get("gate_up"), self.packed.get("down"), ops.linear
+        )
+        return h, self._reduce(down)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel output over the ranks (in place); nothing to do on one rank."""

@@ -27,6 +27,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
         "int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter,"
         " int num_threads)",
+        "int silu_mul_f32_bf16_io(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows,"
+        " int inter, int num_threads)",
         "int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)",
         "int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *keys, int rows, int cols,"
         " int num_threads)",

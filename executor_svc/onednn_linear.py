@@ -42,10 +42,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 x [M, in] @ W.T (+ float32 bias) -> float32 [M, out], the
-    products in bfloat16 with float32 sums."""
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, widen: bool = True) -> torch.Tensor:
+    """x [M, in] (float32, or bfloat16 already rounded) @ W.T (+ float32 bias)
+    -> float32 [M, out], the products in bfloat16 with float32 sums; with
+    `widen` False (no bias) the bfloat16 [M, out] oneDNN returns, the same
+    values before their exact widening."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+    if not widen:
+        assert bias is None, "a bias is added in float32, after widening"
+        return out
+    out = out.float()
     if bias is not None:
         out += bias
     return out

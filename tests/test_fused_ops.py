@@ -121,6 +121,27 @@ def test_silu_mul_reads_row_strided_input():
     )
 
 
+@needs_vector_gate
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("inter", [16, 37, 1536])
+def test_silu_mul_bf16_io_is_the_float32_kernel_over_widened_rows_rounded_once(rows, inter):
+    """Bit for bit: silu_mul over the widened bfloat16 rows, then .to(bfloat16).
+    Odd widths exercise the tails; the row holds NaN, infinities, huge gates."""
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
+    gate_up[-1, inter : inter + 2] = torch.tensor([float("nan"), 1.0e38])
+    got = fused_ops.silu_mul_bf16_io(gate_up)
+    want = fused_ops.silu_mul(gate_up.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    # torch's vector rounding writes NaN as 0xFFFF, its scalar one (and bf16.h) as 0x7FC0.
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    finite = ~want.isnan()
+    assert torch.equal(got.view(torch.int16)[finite], want.view(torch.int16)[finite])
+    strided = torch.cat((gate_up, gate_up[:, :8]), dim=1)[:, : 2 * inter]  # rows longer than their width
+    assert torch.equal(fused_ops.silu_mul_bf16_io(strided).view(torch.int16), got.view(torch.int16))
+
+
 def test_available_for_float32_cpu_not_float16():
     assert fused_ops.available(torch.zeros(2))
     assert not fused_ops.available(torch.zeros(2, dtype=torch.float16))  # bfloat16: tests/test_fused_ops_bf16.py

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc import onednn_linear, packed_linear
+from executor_svc import layer_ops, onednn_linear, packed_linear
 from executor_svc.packed_linear import PackedWeight, linear, pack_bf16, route
 
 pytestmark = [
@@ -47,3 +47,21 @@ def test_onednn_rows_match_float64_within_bf16_activation_rounding(rows):
     # rounds the activations, so the two differ, by no more than the bound.
     blocks = linear(x, w, bias, PackedWeight(None, pack_bf16(w)))
     assert ((got.double() - blocks.double()).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize(("gate_up_routes", "rows"), [(((1, "onednn"),), 40), (((1, "blocks"), (32, "onednn")), 16)])
+def test_an_mlp_whose_gemms_both_take_onednn_keeps_its_gate_up_bf16_with_the_same_result(gate_up_routes, rows):
+    """layer_ops.mlp: where both routes are oneDNN's, the bf16 chain (gate/up
+    product unwidened, SwiGLU rounding for the down GEMM) gives the float32
+    path's numbers bit for bit; elsewhere (16 rows below the gate/up's oneDNN
+    route) it is the float32 path itself."""
+    hidden, inter = 96, 160
+    w_gu, w_down = bf16_weight(2 * inter, hidden, 3), bf16_weight(hidden, inter, 4)
+    gate_up = PackedWeight(None, pack_bf16(w_gu), onednn_linear.pack(w_gu), bf16_routes=gate_up_routes)
+    down = PackedWeight(None, pack_bf16(w_down), onednn_linear.pack(w_down), bf16_routes=((1, "onednn"),))
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(5)) * 2
+    got = layer_ops.mlp(x, w_gu, w_down, gate_up, down)
+    plain = linear(layer_ops.swiglu(linear(x, w_gu, None, gate_up)), w_down, None, down)
+    assert got.dtype == torch.float32 and torch.equal(got, plain)
+    # The chain (or not) is the one its routes say: a chain-free kernel set gives the same.
+    assert torch.equal(layer_ops.mlp(x, w_gu, w_down, gate_up, down, lambda *a: linear(*a)), plain)
