@@ -63,8 +63,8 @@ async def serve_worker(config, tp) -> int:
     except ValueError as e:  # a model or setting this executor cannot serve: the message says which
         log.error("model_load_failed", path=path, error=str(e))
         return 1
+    frozen = freeze_startup_objects()  # its gc.collect frees the load's cyclic garbage first
     release_free_memory()  # the load's temporaries, which keep_freed_memory's thresholds would keep
-    frozen = freeze_startup_objects()
     log.info(
         "model_loaded",
         model=worker.model_config.model_name,

@@ -29,8 +29,10 @@ glibc's malloc parameters (mallopt(3)):
 With all three, the same step on the forward thread took no faults (each
 alone, or the thresholds without one arena, did not get there). The cost:
 the heap keeps up to the largest step's activations mapped between steps,
-memory that step needs again anyway, and the executor's few other threads
-(gRPC, the event loop) share the main arena's lock with the forward thread.
+memory that step needs again anyway, and the executor's other threads (gRPC's,
+the event loop's, the OpenMP and oneDNN workers', with tensor parallelism the
+process group's) share the main arena's lock with the forward thread; all
+but the forward thread allocate little.
 
 The model's load frees temporaries too (dequantised copies of the weights),
 which the heap would keep under the same threshold: 114 MB more resident
@@ -45,6 +47,7 @@ the log says so.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import structlog
@@ -66,8 +69,12 @@ SETTINGS = (
 def keep_freed_memory() -> dict[str, int] | None:
     """Sets SETTINGS with glibc's mallopt; returns them as set, or None where
     this C library has no mallopt. Must run while the main thread is the
-    process's only thread: a thread that has allocated already keeps its arena."""
-    assert threading.active_count() == 1, "the heap must be set up before any other thread starts"
+    process's only thread: a thread that has allocated already keeps its arena,
+    and glibc could hand that arena, not the main one, to the forward thread.
+    RuntimeError if another thread (Python's or native, where Linux's /proc
+    lists them) is running."""
+    if threading.active_count() != 1 or _os_thread_count() not in (None, 1):
+        raise RuntimeError("the heap must be set up before any other thread starts")
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         log.info("heap_settings_unavailable", reason="no mallopt in this C library")
@@ -82,6 +89,14 @@ def keep_freed_memory() -> dict[str, int] | None:
         applied[name] = value
     log.info("heap_settings", **applied)
     return applied
+
+
+def _os_thread_count() -> int | None:
+    """The process's threads, native ones included (Linux); None elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def release_free_memory() -> bool:

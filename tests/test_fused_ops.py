@@ -131,6 +131,7 @@ def test_silu_mul_bf16_io_is_the_float32_kernel_over_widened_rows_rounded_once(r
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
     gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
     gate_up[-1, inter : inter + 2] = torch.tensor([float("nan"), 1.0e38])
+    gate_up[-1, inter - 1], gate_up[-1, -1] = 1.0, 1.0e-38  # a subnormal result, ~7e-39
     got = fused_ops.silu_mul_bf16_io(gate_up)
     want = fused_ops.silu_mul(gate_up.float()).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)

@@ -50,7 +50,9 @@ def test_onednn_rows_match_float64_within_bf16_activation_rounding(rows):
 
 
 @pytest.mark.parametrize(("gate_up_routes", "rows"), [(((1, "onednn"),), 40), (((1, "blocks"), (32, "onednn")), 16)])
-def test_an_mlp_whose_gemms_both_take_onednn_keeps_its_gate_up_bf16_with_the_same_result(gate_up_routes, rows):
+def test_an_mlp_whose_gemms_both_take_onednn_keeps_its_gate_up_bf16_with_the_same_result(
+    gate_up_routes, rows, monkeypatch
+):
     """layer_ops.mlp: where both routes are oneDNN's, the bf16 chain (gate/up
     product unwidened, SwiGLU rounding for the down GEMM) gives the float32
     path's numbers bit for bit; elsewhere (16 rows below the gate/up's oneDNN
@@ -60,7 +62,11 @@ def test_an_mlp_whose_gemms_both_take_onednn_keeps_its_gate_up_bf16_with_the_sam
     gate_up = PackedWeight(None, pack_bf16(w_gu), onednn_linear.pack(w_gu), bf16_routes=gate_up_routes)
     down = PackedWeight(None, pack_bf16(w_down), onednn_linear.pack(w_down), bf16_routes=((1, "onednn"),))
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(5)) * 2
+    chained = []
+    bf16_swiglu = layer_ops.fused_ops.silu_mul_bf16_io
+    monkeypatch.setattr(layer_ops.fused_ops, "silu_mul_bf16_io", lambda gu: chained.append(1) or bf16_swiglu(gu))
     got = layer_ops.mlp(x, w_gu, w_down, gate_up, down)
+    assert len(chained) == (rows == 40)  # the chain where both routes are oneDNN's, only there
     plain = linear(layer_ops.swiglu(linear(x, w_gu, None, gate_up)), w_down, None, down)
     assert got.dtype == torch.float32 and torch.equal(got, plain)
     # The chain (or not) is the one its routes say: a chain-free kernel set gives the same.

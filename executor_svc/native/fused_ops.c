@@ -1,6 +1,8 @@
 /* The elementwise steps of a decoder layer, each fused into one pass, for
  * float32 on CPU: RMSNorm (with the residual add before it), rotary embedding
- * and the SwiGLU gate; and the greedy sampler's row argmax.
+ * and the SwiGLU gate (also over bfloat16 rows in and out, with float32
+ * arithmetic, for a widened bfloat16 model between oneDNN GEMMs); and the
+ * greedy sampler's row argmax.
  *
  * In PyTorch, RMSNorm is five kernels (square, mean, add eps, rsqrt, two
  * multiplies), rotary embedding four (a concatenation for the rotated half,
