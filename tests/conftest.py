@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,23 @@ import torch
 # any test module, and only here: on a GPU every Triton test runs the kernels.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    _interpreter = importlib.import_module("triton.runtime.interpreter")
+    _numpy_dot = _interpreter.InterpreterBuilder.create_dot
+
+    def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        """The interpreter's tl.dot with each row's sums in an order that
+        depends on K alone, as a GPU's MMA gives a row the same bits wherever
+        it sits in the tile (what the invariant kernels rely on). The
+        interpreter's own np.matmul goes to numpy's OpenBLAS, whose Haswell
+        sgemm kernels (picked on an AMD Zen 5) sum rows 6-11 of a 16-row tile
+        in another order than the rest: a row's result then depends on its
+        place in the batch. Row by row, every row takes the same path."""
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return _numpy_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.stack([np.matmul(row, b.data, dtype=d.data.dtype) for row in a.data])
+        return _interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    _interpreter.InterpreterBuilder.create_dot = _row_invariant_dot
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
