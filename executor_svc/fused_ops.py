@@ -148,13 +148,13 @@ def silu_mul_bf16_io(gate_up: torch.Tensor) -> torch.Tensor | None:
     .to(torch.bfloat16) rounds, bit for bit, without the float32 copies. None
     where the native build has no vector path (no AVX-512)."""
     assert gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu", f"{gate_up.dtype} on {gate_up.device}"
-    if _lib() is None:
+    if _bf16_lib() is None:
         return None
     gate_up = _rows(gate_up)
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=torch.bfloat16)
-    status = _lib().silu_mul_f32_bf16_io(
+    status = _bf16_lib().silu_mul_f32_bf16_io(
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
     )
     return out if status == 0 else None

@@ -27,8 +27,6 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
         "int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter,"
         " int num_threads)",
-        "int silu_mul_f32_bf16_io(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows,"
-        " int inter, int num_threads)",
         "int argmax_rows_f32(int64_t *out, const float *x, int64_t ld_x, int rows, int cols, int num_threads)",
         "int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *keys, int rows, int cols,"
         " int num_threads)",
@@ -45,6 +43,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
         "int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,"
         " int num_threads)",
+        "int silu_mul_f32_bf16_io(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows,"
+        " int inter, int num_threads)",
         "int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,"
         " int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,"
         " const int64_t *slots, int tokens, int heads, int dim)",

@@ -1,8 +1,6 @@
 /* The elementwise steps of a decoder layer, each fused into one pass, for
  * float32 on CPU: RMSNorm (with the residual add before it), rotary embedding
- * and the SwiGLU gate (also over bfloat16 rows in and out, with float32
- * arithmetic, for a widened bfloat16 model between oneDNN GEMMs); and the
- * greedy sampler's row argmax.
+ * and the SwiGLU gate; and the greedy sampler's row argmax.
  *
  * In PyTorch, RMSNorm is five kernels (square, mean, add eps, rsqrt, two
  * multiplies), rotary embedding four (a concatenation for the rotated half,
@@ -85,7 +83,6 @@ void rope_f32(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-#include "bf16.h"
 #include "exp512.h"
 #include "log512.h"
 #endif
@@ -102,32 +99,6 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
             const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
             const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
             _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
-        }
-    }
-    return 0;
-#else
-    (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)num_threads;
-    return -1;
-#endif
-}
-
-/* silu_mul_f32 over bfloat16 rows, its float32 result rounded to bfloat16
- * once (bf16.h): what a widened bfloat16 model computes between two oneDNN
- * GEMMs, which return bfloat16 and round their input to it. The same bits as
- * widening gate_up, silu_mul_f32 and .to(torch.bfloat16), without the float32
- * copies of 3 x inter values a row between them. */
-int silu_mul_f32_bf16_io(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,
-                         int num_threads)
-{
-#ifdef __AVX512F__
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *g = gu + r * ld_gu, *u = g + inter;
-        uint16_t *o = out + r * ld_out;
-        for (int i = 0; i < inter; i += 16) {
-            const __m512 gv = bf16_load_n(g + i, inter - i), uv = bf16_load_n(u + i, inter - i);
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            bf16_store_n(o + i, _mm512_mul_ps(_mm512_div_ps(gv, den), uv), inter - i);
         }
     }
     return 0;

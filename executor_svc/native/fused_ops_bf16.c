@@ -114,9 +114,12 @@ int rope_bf16(uint16_t *x, int64_t ld_tok, int64_t ld_head, const uint16_t *cos,
 
 /* out[r][i] = bf16(bf16(silu(g)) * u), g = gu[r][i], u = gu[r][inter + i]:
  * the SwiGLU gate over a fused [gate | up] projection, silu(g) = g / (1 + e^-g)
- * in float32 as silu_mul_f32 computes it. */
-int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,
-                  int num_threads)
+ * in float32 as silu_mul_f32 computes it. With `round_silu` 0, silu(g) * u
+ * is rounded once instead: silu_mul_f32 over the widened rows, then
+ * .to(torch.bfloat16), bit for bit, which a widened bfloat16 model computes
+ * between two oneDNN GEMMs (they return bfloat16 and round their input to it). */
+static int silu_mul_rows(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,
+                         int round_silu, int num_threads)
 {
 #ifdef __AVX512F__
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
@@ -126,15 +129,28 @@ int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_
         for (int i = 0; i < inter; i += 16) {
             const __m512 gv = bf16_load_n(g + i, inter - i);
             const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            const __m512 silu = bf16_rounded(_mm512_div_ps(gv, den));
-            bf16_store_n(o + i, _mm512_mul_ps(silu, bf16_load_n(u + i, inter - i)), inter - i);
+            const __m512 silu = _mm512_div_ps(gv, den);
+            bf16_store_n(o + i, _mm512_mul_ps(round_silu ? bf16_rounded(silu) : silu, bf16_load_n(u + i, inter - i)),
+                         inter - i);
         }
     }
     return 0;
 #else
-    (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)num_threads;
+    (void)out; (void)ld_out; (void)gu; (void)ld_gu; (void)rows; (void)inter; (void)round_silu; (void)num_threads;
     return -1;
 #endif
+}
+
+int silu_mul_bf16(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,
+                  int num_threads)
+{
+    return silu_mul_rows(out, ld_out, gu, ld_gu, rows, inter, 1, num_threads);
+}
+
+int silu_mul_f32_bf16_io(uint16_t *out, int64_t ld_out, const uint16_t *gu, int64_t ld_gu, int rows, int inter,
+                         int num_threads)
+{
+    return silu_mul_rows(out, ld_out, gu, ld_gu, rows, inter, 0, num_threads);
 }
 
 /* One row of n values into the bf16 cache: copied from bf16, or rounded
