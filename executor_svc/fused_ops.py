@@ -130,16 +130,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """[rows, 2 * inter] ([gate | up]) -> silu(gate) * up, a new tensor; None
     where the native build has no vector path (no AVX-512)."""
-    gate_up = _rows(gate_up)
-    assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=gate_up.dtype)
     lib = _LIBRARIES[gate_up.dtype]()
-    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
-    status = kernel(
-        out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
-    )
-    return out if status == 0 else None
+    return _gate(gate_up, lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32)
 
 
 def silu_mul_bf16_io(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -148,13 +140,17 @@ def silu_mul_bf16_io(gate_up: torch.Tensor) -> torch.Tensor | None:
     .to(torch.bfloat16) rounds, bit for bit, without the float32 copies. None
     where the native build has no vector path (no AVX-512)."""
     assert gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu", f"{gate_up.dtype} on {gate_up.device}"
-    if _bf16_lib() is None:
-        return None
+    lib = _bf16_lib()
+    return None if lib is None else _gate(gate_up, lib.silu_mul_f32_bf16_io)
+
+
+def _gate(gate_up: torch.Tensor, kernel) -> torch.Tensor | None:
+    """`kernel` (a silu_mul_* entry point) over gate_up's rows into a new tensor of its dtype; None if it has no vector path."""
     gate_up = _rows(gate_up)
     assert gate_up.shape[1] % 2 == 0, f"gate_up width {gate_up.shape[1]} is odd"
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.bfloat16)
-    status = _bf16_lib().silu_mul_f32_bf16_io(
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    status = kernel(
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, inter, torch.get_num_threads()
     )
     return out if status == 0 else None
