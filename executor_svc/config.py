@@ -60,6 +60,7 @@ class ExecutorConfig:
         help="Linear layers on CPU: native = weights packed once for the AVX-512 kernel "
         "(float32 arithmetic, also over bfloat16 weights; 1.3-1.5x faster at decode batch sizes); "
         "torch = MKL via F.linear (torch's own bf16 for bfloat16); auto = native where it can run, "
+        "prefill chunks too where it measured faster than MKL at start-up, "
         "plus oneDNN's bf16 GEMM from a start-up-measured row count on CPUs with native bf16.",
     )
     gguf_blocks: str = option(

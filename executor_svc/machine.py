@@ -109,6 +109,14 @@ def measure_bf16_routes(name: str, packed_gemm: bool, dtype: torch.dtype, determ
     )
 
 
+def measure_native_rows(name: str, packed_gemm: bool, deterministic: bool = False) -> bool:
+    """Whether the model measures at start-up how many rows the native kernel's
+    float32 arithmetic takes before MKL does (float_gemm_rows.py): with
+    --cpu-gemm auto and the kernel; never under --deterministic, where the
+    kernel takes every row count."""
+    return name == "auto" and packed_gemm and not deterministic
+
+
 def gguf_int8_rows(activations: str, packed_gemm: bool, gguf_blocks: str, deterministic: bool = False) -> int:
     """Up to how many rows GGUF Q4_1/Q8_0 blocks take int8 activations
     (packed_linear.INT8_MAX_ROWS, or 0 = never): with --gguf-activations int8,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor_svc import bf16_gemm_routes, machine, onednn_linear, packed_linear, weight_packing
+from executor_svc import bf16_gemm_routes, float_gemm_rows, machine, onednn_linear, packed_linear, weight_packing
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.gguf_loader import GGUFCheckpoint
 from executor_svc.hf_loader import HFCheckpoint
@@ -107,6 +107,42 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     return routes
 
 
+def measure_native_rows(config, tp_size: int, kind: str) -> int:
+    """PackedWeight.native_max_rows for the model's `kind` of kernel weights
+    (float_gemm_rows.py): timed on its largest layer shape (gate and up, one
+    rank's share) against MKL at the first start on this machine, stored for
+    the next; logged with the timings it was chosen from."""
+    out_features = 2 * config.intermediate_size // tp_size
+    key = bf16_gemm_routes.machine_key(
+        packed_linear.SOURCE,
+        what="native_max_rows",
+        version=1,  # of this key and of calibrate's method
+        shape=[out_features, config.hidden_size],
+        kind=kind,
+        candidates=["native", "torch"],
+        rows=list(float_gemm_rows.CALIBRATION_ROWS),
+        margin=float_gemm_rows.NATIVE_MARGIN,
+    )
+
+    def measure():
+        rows, times_us = float_gemm_rows.calibrate(
+            float_gemm_rows.candidates(out_features, config.hidden_size, kind), config.hidden_size
+        )
+        return ((rows, "native"),), times_us  # stored as the bf16 routes are: one (rows, name) pair
+
+    stored, times_us, source = bf16_gemm_routes.stored_or_measured(key, measure)
+    rows = stored[0][0]
+    log.info(
+        "float32_linear_native_rows",
+        kind=kind,
+        native_max_rows=rows or "default",
+        source=source,
+        shape=[out_features, config.hidden_size],
+        median_us={str(count): t for count, t in times_us.items()},
+    )
+    return rows
+
+
 def load_model(
     path: str | None,
     dtype: torch.dtype,
@@ -119,6 +155,7 @@ def load_model(
     packed_gemm: bool = False,
     gguf_blocks: bool = False,
     bf16_routes: bool = False,
+    native_rows: bool = False,
     batch_invariant: bool = False,
     int8_rows: int = 0,
 ) -> LoadedModel:
@@ -131,6 +168,8 @@ def load_model(
     the file's blocks for small batches too with `gguf_blocks`, and with
     `bf16_routes` (CPUs with native bf16) measures here which GEMM takes
     each row count (the bf16 dot-product kernel and oneDNN among them); with
+    `native_rows` measures up to how many rows the kernel's float32
+    arithmetic beats MKL (float_gemm_rows.py); with
     `int8_rows` 1..int8_rows rows over the file's Q4_1/Q8_0 blocks quantise
     their activations to int8 (--gguf-activations int8). `batch_invariant`
     (--deterministic): with `packed_gemm` (CPU), every linear layer through
@@ -151,6 +190,9 @@ def load_model(
             bf16_routes=functools.cache(functools.partial(measure_bf16_routes, checkpoint.config, tp_size))
             if bf16_routes
             else weight_packing.no_routes,
+            native_rows=functools.cache(functools.partial(measure_native_rows, checkpoint.config, tp_size))
+            if native_rows
+            else weight_packing.default_native_rows,
             batch_invariant=batch_invariant,
             int8_rows=int8_rows,
         )

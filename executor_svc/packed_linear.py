@@ -3,9 +3,11 @@
 `pack(weight)` copies an [out, in] float32 weight once, at load, into the
 panel order the kernel reads; `linear(x, weight, bias, PackedWeight(panels))`
 multiplies through the kernel for 2-256 rows (decode batches, short prefill
-chunks) and through F.linear (MKL) otherwise, so the model keeps both
-copies: the packed one costs as much memory as the linear weights
-themselves. The model packs only where the kernel was built (x86 with
+chunks) and through F.linear (MKL) otherwise, or for every row count from 2
+on where the kernel measured faster than MKL at prefill sizes at start-up
+(`PackedWeight.native_max_rows`, float_gemm_rows.py: an AMD EPYC Zen 5,
+whose MKL runs AVX2 kernels), so the model keeps both copies: the packed
+one costs as much memory as the linear weights themselves. The model packs only where the kernel was built (x86 with
 AVX-512), on CPU, for float32 weights or (below) bfloat16 ones.
 
 `pack_blocks(rows)` also keeps a GGUF Q4_1 or Q8_0 weight in its blocks
@@ -106,8 +108,9 @@ def kernel() -> _Kernel | None:
 
 # In this range of rows the packed kernel beats MKL over cold weights (1.2-1.5x
 # at 8-256 rows, the linears of 30 layers); at one row both read the weights at
-# full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL is as
-# fast or faster (docs/optimization_log.md).
+# full bandwidth, and past one row chunk (MC = 256 in packed_gemm.c) MKL was as
+# fast or faster on the Xeons measured (docs/optimization_log.md). Past it, the
+# start-up measurement decides (PackedWeight.native_max_rows).
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 # Block panels read 3.8-6.4x fewer bytes but expand them on every call: they win
 # while the weights' DRAM stream dominates, 1.3-1.6x at 1-8 rows, and are even
@@ -236,6 +239,11 @@ class PackedWeight:
     # int8 and multiply the GGUF blocks (`blocks` beside float32 panels, `gguf`
     # beside bfloat16 ones) instead of any float route (route "int8"); 0 = never.
     int8_rows: int = 0
+    # Up to how many rows the kernel's float32 arithmetic (panels, or BF16
+    # blocks where no bf16 route applies) takes before MKL does; 0 = the
+    # fixed default (PACKED_MAX_ROWS, BF16_MAX_ROWS). Measured at start-up
+    # (float_gemm_rows.py).
+    native_max_rows: int = 0
 
     def __post_init__(self) -> None:
         assert self.panels is not None or self.blocks is not None, "a PackedWeight with neither panels nor blocks"
@@ -297,10 +305,10 @@ def _float_route(rows: int, packed: PackedWeight | None) -> str:
                 return how
         elif packed.gguf is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
             return "gguf"
-        return "blocks" if rows <= BF16_MAX_ROWS or packed.batch_invariant else "torch"
+        return "blocks" if rows <= (packed.native_max_rows or BF16_MAX_ROWS) or packed.batch_invariant else "torch"
     if packed.blocks is not None and 1 <= rows <= BLOCKS_MAX_ROWS:
         return "blocks"
-    if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or packed.batch_invariant:
+    if PACKED_MIN_ROWS <= rows <= (packed.native_max_rows or PACKED_MAX_ROWS) or packed.batch_invariant:
         return "panels"
     return "torch"
 

@@ -50,12 +50,23 @@ def no_routes(kind: str | None) -> tuple[tuple[int, str], ...]:
     return ()
 
 
+# PackedWeight.native_max_rows for a kind of kernel weights
+# (float_gemm_rows.KINDS: "panels" or "bf16"), measured at start-up.
+NativeRows = Callable[[str], int]
+
+
+def default_native_rows(kind: str) -> int:
+    """NativeRows where nothing was measured: packed_linear's fixed defaults."""
+    return 0
+
+
 def apply(
     model: LlamaForCausalLM,
     blocks: BlockSource | None = None,
     bf16_routes: RoutesByKind = no_routes,
     batch_invariant: bool = False,
     int8_rows: int = 0,
+    native_rows: NativeRows = default_native_rows,
 ) -> None:
     """The post-load hook: packs a float32 CPU model's weights or widens a
     bfloat16 one (with the measured `bf16_routes`), either
@@ -63,18 +74,24 @@ def apply(
     sends every row count through the kernel (packed_linear.py). With
     `int8_rows`, 1..int8_rows rows over Q4_1/Q8_0 blocks take int8
     activations (PackedWeight.int8_rows; the caller checked the CPU and the
-    options, machine.gguf_int8_rows). The caller has checked that the kernel
+    options, machine.gguf_int8_rows). `native_rows` gives the row count up to
+    which the kernel's float32 arithmetic takes prefill chunks from MKL
+    (PackedWeight.native_max_rows). The caller has checked that the kernel
     is available (machine.use_packed_gemm)."""
     assert not (int8_rows and batch_invariant), "int8 activations are not batch invariant"
     if model.embed_tokens.dtype == torch.bfloat16:
-        widen_bf16(model, bf16_routes, blocks, batch_invariant, int8_rows)
+        widen_bf16(model, bf16_routes, blocks, batch_invariant, int8_rows, native_rows)
     else:
-        pack_linear_weights(model, blocks, batch_invariant, int8_rows)
+        pack_linear_weights(model, blocks, batch_invariant, int8_rows, native_rows)
 
 
 @torch.no_grad()
 def pack_linear_weights(
-    model: LlamaForCausalLM, blocks: BlockSource | None = None, batch_invariant: bool = False, int8_rows: int = 0
+    model: LlamaForCausalLM,
+    blocks: BlockSource | None = None,
+    batch_invariant: bool = False,
+    int8_rows: int = 0,
+    native_rows: NativeRows = default_native_rows,
 ) -> None:
     """Adds the native CPU GEMM's packed copy of every linear weight and of
     the head (packed_linear.py), after load_weights, on float32 CPU models
@@ -89,7 +106,9 @@ def pack_linear_weights(
     kernel's small-batch path: a fused weight only if all its parts are
     blocks of one kind, and a row-parallel shard only if it starts on a
     block boundary. Their outputs are the panels' bit for bit, so
-    `batch_invariant` keeps them."""
+    `batch_invariant` keeps them. `native_rows("panels")` is the panels'
+    PackedWeight.native_max_rows (asked only where panels are made and MKL
+    may take rows)."""
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.float32, (
         f"packing needs a float32 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -99,18 +118,22 @@ def pack_linear_weights(
             weight = getattr(layer, f"{name}_weight")
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
             found = _block_panels(model, blocks, names, split, weight)
-            layer.packed[name] = _float32_packed(weight, found, batch_invariant, _int8_rows(found, int8_rows))
+            layer.packed[name] = _float32_packed(
+                weight, found, batch_invariant, _int8_rows(found, int8_rows), native_rows
+            )
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     found = _block_panels(model, blocks, [head_name], None, head)
-    model._head_packed = _float32_packed(head, found, batch_invariant, _int8_rows(found, int8_rows))
+    model._head_packed = _float32_packed(head, found, batch_invariant, _int8_rows(found, int8_rows), native_rows)
 
 
 def _float32_packed(
-    weight: torch.Tensor, found: BlockPanels | None, batch_invariant: bool, int8_rows: int
+    weight: torch.Tensor, found: BlockPanels | None, batch_invariant: bool, int8_rows: int, native_rows: NativeRows
 ) -> PackedWeight:
-    panels = torch.empty(0) if int8_rows == INT8_MAX_ROWS else pack(weight)
-    return PackedWeight(panels, found, batch_invariant=batch_invariant, int8_rows=int8_rows)
+    if int8_rows == INT8_MAX_ROWS:  # no route reads panels
+        return PackedWeight(torch.empty(0), found, batch_invariant=batch_invariant, int8_rows=int8_rows)
+    rows = 0 if batch_invariant else native_rows("panels")  # batch-invariant panels take every row count
+    return PackedWeight(pack(weight), found, batch_invariant=batch_invariant, int8_rows=int8_rows, native_max_rows=rows)
 
 
 @torch.no_grad()
@@ -120,6 +143,7 @@ def widen_bf16(
     blocks: BlockSource | None = None,
     batch_invariant: bool = False,
     int8_rows: int = 0,
+    native_rows: NativeRows = default_native_rows,
 ) -> None:
     """Runs a bfloat16 CPU model in float32 arithmetic over its bfloat16
     weights: on CPUs without AVX512-BF16 (where torch emulates bf16 GEMMs
@@ -138,7 +162,9 @@ def widen_bf16(
     With `bf16_routes` (CPUs with native bf16, measured at start-up for
     the kind of file blocks a weight has), each packed weight routes its row
     counts so (PackedWeight.bf16_routes), and is also kept in oneDNN's
-    layout where a route names oneDNN.
+    layout where a route names oneDNN. `native_rows("bf16")` is their
+    PackedWeight.native_max_rows: how many rows the kernel's float32 loop
+    over them takes before MKL over the widened weight does.
 
     `blocks(hf_name)` (GGUFCheckpoint.blocks), where given, also keeps the
     weights the file stores as Q4_1/Q8_0 in their blocks (as for float32
@@ -155,7 +181,7 @@ def widen_bf16(
     width is packed into float32 panels instead of going to MKL.
     """
     if batch_invariant:
-        bf16_routes, blocks = no_routes, None
+        bf16_routes, blocks, native_rows = no_routes, None, default_native_rows
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -180,6 +206,7 @@ def widen_bf16(
             bf16_routes=routes,
             batch_invariant=batch_invariant,
             int8_rows=_int8_rows(gguf, int8_rows),
+            native_max_rows=native_rows("bf16"),
         )
 
     for i, layer in enumerate(model.layers):

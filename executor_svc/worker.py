@@ -105,6 +105,7 @@ class Worker:
             bf16_routes=machine.measure_bf16_routes(
                 config.cpu_gemm, self.packed_gemm, self.dtype, config.deterministic
             ),
+            native_rows=machine.measure_native_rows(config.cpu_gemm, self.packed_gemm, config.deterministic),
             batch_invariant=config.deterministic,
             int8_rows=machine.gguf_int8_rows(
                 config.gguf_activations, self.packed_gemm, config.gguf_blocks, config.deterministic
