@@ -12,7 +12,9 @@ dtype, in the default mode and in --deterministic:
    row computed alone, max|d| is the largest difference:
    - the linear layers (layer 0's qkv, gate_up, down; the LM head): row 0
      of M random rows for M = 1 .. 2,048 (the routes: GGUF blocks up to 32
-     rows, float32 panels 2-256, bfloat16 blocks up to 512, MKL beyond), and
+     rows, float32 panels 2-256, bfloat16 blocks up to 512, MKL beyond, or
+     the kernel beyond too where it measured faster at start-up, as in the
+     served executor), and
      at 1 vs 2 threads;
    - RMSNorm: each row of 64 alone vs in the batch;
    - attention: every token of a 300-token request decoded one at a time vs
@@ -68,6 +70,7 @@ def _load(dtype: torch.dtype, deterministic: bool):
         with_tokenizer=False,
         packed_gemm=True,
         gguf_blocks=True,
+        native_rows=not deterministic,
         batch_invariant=deterministic,
     )
     return loaded.model, backend

@@ -140,14 +140,23 @@ def winner(median: dict[str, float]) -> str:
 
 
 def candidates(
-    out_features: int, in_features: int, *, gguf_kind: str | None, dot: bool, onednn: bool, seed: int = 0
+    out_features: int,
+    in_features: int,
+    *,
+    gguf_kind: str | None,
+    dot: bool,
+    onednn: bool,
+    native_max_rows: int = 0,
+    seed: int = 0,
 ) -> dict[str, Gemm]:
     """The GEMMs a widened bfloat16 weight of this shape would have, each
-    through packed_linear.linear with its route forced, on random weights."""
+    through packed_linear.linear with its route forced, on random weights;
+    "blocks" (float32 arithmetic) through the kernel up to `native_max_rows`
+    (PackedWeight.native_max_rows) and MKL past them, as the model runs it."""
     gen = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
     blocks = pack_bf16(weight)
-    packed = {"blocks": PackedWeight(None, blocks)}
+    packed = {"blocks": PackedWeight(None, blocks, native_max_rows=native_max_rows)}
     if gguf_kind is not None:
         gguf = pack_blocks(gguf_kind, _random_gguf_rows(gguf_kind, out_features, in_features, gen))
         packed["gguf"] = PackedWeight(None, blocks, gguf=gguf, bf16_routes=((1, "gguf"),))

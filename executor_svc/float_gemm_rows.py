@@ -39,13 +39,21 @@ from executor_svc.packed_linear import INT8_MAX_ROWS, PackedWeight, linear, pack
 
 # Prefill chunk sizes past both fixed defaults (256 and 512 rows), up to a
 # full 2,048-token chunk.
-CALIBRATION_ROWS = (512, 1024, 2048)
+# 384: past the panels' 256-row chunk, where a Xeon's kernel ran 0.85x MKL
+# (an uneven split of two chunks between threads; docs/optimization_log.md).
+CALIBRATION_ROWS = (384, 512, 1024, 2048)
 # How much faster (median) the kernel must be to take rows from MKL: both
 # are float32, so this only keeps a tie inside the timing noise with the default.
 NATIVE_MARGIN = 1.05
 # native_max_rows where the kernel won at every timed row count.
 UNBOUNDED = INT8_MAX_ROWS
-KINDS = ("panels", "bf16")  # float32 panels of a float32 model; BF16 blocks of a widened bfloat16 one
+KINDS = ("panels", "bf16")
+# Environment variables that change which kernels MKL dispatches to.
+MKL_DISPATCH_ENV = (
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+    "MKL_CBWR",
+)  # float32 panels of a float32 model; BF16 blocks of a widened bfloat16 one
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 

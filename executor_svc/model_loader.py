@@ -60,7 +60,9 @@ def open_checkpoint(path: str | None):
     raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a folder with config.json")
 
 
-def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tuple[int, str], ...]:
+def measure_bf16_routes(
+    config, tp_size: int, gguf_kind: str | None, native_max_rows: int = 0
+) -> tuple[tuple[int, str], ...]:
     """Which GEMM takes each row count of the model's bf16 linears whose
     file blocks are `gguf_kind` (None: none; bf16_gemm_routes.py), measured
     on its largest layer shape (gate and up, one rank's share), whatever
@@ -69,7 +71,9 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     timings it was chosen from. Timed with the weight coming from memory
     where the model's MLP weights alone (bf16) outgrow the CPU's caches, as
     they then do in every step: all ranks' shares, since tensor-parallel
-    ranks on one host share those caches."""
+    ranks on one host share those caches. The float32 arithmetic over the
+    BF16 blocks is timed as it will run: the kernel up to `native_max_rows`
+    (measure_native_rows), MKL past it."""
     out_features = 2 * config.intermediate_size // tp_size
     mlp_bytes = config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * 2
     cache_bytes = machine.cache_bytes()
@@ -78,9 +82,10 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
     names = bf16_gemm_routes.candidate_names(gguf_kind=gguf_kind, dot=dot, onednn=onednn)
     key = bf16_gemm_routes.machine_key(
         packed_linear.SOURCE,
-        version=6,  # of this key and of calibrate's method
+        version=7,  # of this key and of calibrate's method
         shape=[out_features, config.hidden_size],
         cold_weights=cold,
+        blocks_native_max_rows=native_max_rows,
         gguf_kind=gguf_kind,
         candidates=names,
         rows=list(bf16_gemm_routes.CALIBRATION_ROWS),
@@ -89,7 +94,12 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
 
     def measure():
         gemms = bf16_gemm_routes.candidates(
-            out_features, config.hidden_size, gguf_kind=gguf_kind, dot=dot, onednn=onednn
+            out_features,
+            config.hidden_size,
+            gguf_kind=gguf_kind,
+            dot=dot,
+            onednn=onednn,
+            native_max_rows=native_max_rows,
         )
         assert list(gemms) == names, f"candidates {list(gemms)} vs key {names}"
         evict = bf16_gemm_routes.cache_evictor(cache_bytes) if cold else None
@@ -110,23 +120,37 @@ def measure_bf16_routes(config, tp_size: int, gguf_kind: str | None) -> tuple[tu
 def measure_native_rows(config, tp_size: int, kind: str) -> int:
     """PackedWeight.native_max_rows for the model's `kind` of kernel weights
     (float_gemm_rows.py): timed on its largest layer shape (gate and up, one
-    rank's share) against MKL at the first start on this machine, stored for
-    the next; logged with the timings it was chosen from."""
-    out_features = 2 * config.intermediate_size // tp_size
+    rank's share; BF16 blocks need an input width of whole blocks, else the
+    down projection's, else nothing is timed and the defaults stay) against
+    MKL at the first start on this machine, stored for the next; logged with
+    the timings it was chosen from. One answer serves every weight of the
+    kind, the LM head included: the kernel's rate past a row chunk depends
+    on the CPU far more than on the shape (within 10% over the embedded
+    model's four shapes, docs/optimization_log.md)."""
+    inter = config.intermediate_size // tp_size
+    shapes = [(2 * inter, config.hidden_size), (config.hidden_size, inter)]
+    if kind == "bf16":
+        shapes = [s for s in shapes if s[1] % packed_linear.BLOCK_K == 0]
+    if not shapes:
+        log.info("float32_linear_native_rows", kind=kind, native_max_rows="default", source="no BF16-block shape")
+        return 0
+    out_features, in_features = shapes[0]
     key = bf16_gemm_routes.machine_key(
         packed_linear.SOURCE,
         what="native_max_rows",
-        version=1,  # of this key and of calibrate's method
-        shape=[out_features, config.hidden_size],
+        version=2,  # of this key and of calibrate's method
+        shape=[out_features, in_features],
         kind=kind,
         candidates=["native", "torch"],
         rows=list(float_gemm_rows.CALIBRATION_ROWS),
         margin=float_gemm_rows.NATIVE_MARGIN,
+        # What MKL's dispatch reads, which is what this measures against.
+        mkl_env={name: os.environ.get(name) for name in float_gemm_rows.MKL_DISPATCH_ENV},
     )
 
     def measure():
         rows, times_us = float_gemm_rows.calibrate(
-            float_gemm_rows.candidates(out_features, config.hidden_size, kind), config.hidden_size
+            float_gemm_rows.candidates(out_features, in_features, kind), in_features
         )
         return ((rows, "native"),), times_us  # stored as the bf16 routes are: one (rows, name) pair
 
@@ -137,7 +161,7 @@ def measure_native_rows(config, tp_size: int, kind: str) -> int:
         kind=kind,
         native_max_rows=rows or "default",
         source=source,
-        shape=[out_features, config.hidden_size],
+        shape=[out_features, in_features],
         median_us={str(count): t for count, t in times_us.items()},
     )
     return rows
@@ -183,16 +207,21 @@ def load_model(
     )
     model.load_weights(checkpoint.tensor)
     if packed_gemm:
+        native = (
+            functools.cache(functools.partial(measure_native_rows, checkpoint.config, tp_size))
+            if native_rows
+            else weight_packing.default_native_rows
+        )
         weight_packing.apply(
             model,
             checkpoint.blocks if gguf_blocks and isinstance(checkpoint, GGUFCheckpoint) else None,
             # Measured for each kind of file blocks the weights turn out to have.
-            bf16_routes=functools.cache(functools.partial(measure_bf16_routes, checkpoint.config, tp_size))
+            bf16_routes=functools.cache(
+                lambda kind: measure_bf16_routes(checkpoint.config, tp_size, kind, native("bf16"))
+            )
             if bf16_routes
             else weight_packing.no_routes,
-            native_rows=functools.cache(functools.partial(measure_native_rows, checkpoint.config, tp_size))
-            if native_rows
-            else weight_packing.default_native_rows,
+            native_rows=native,
             batch_invariant=batch_invariant,
             int8_rows=int8_rows,
         )

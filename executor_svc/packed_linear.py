@@ -23,9 +23,10 @@ which the kernel widens to float32 (exactly: a bfloat16 is the top half of a
 float32). That is how `--dtype bfloat16` runs on CPUs without AVX512-BF16:
 bfloat16 weights at half the bytes, float32 arithmetic at the float32 rate,
 instead of torch's emulated bf16 GEMM (decode steps 1.4x slower at one row,
-~2.8x at 8-64, prefill 3.5x, docs/optimization_log.md). Past BF16_MAX_ROWS rows,
-where MKL's float32 GEMM is faster than the kernel, the bfloat16 weight is
-widened for it on each call: a transient float32 copy of that one weight.
+~2.8x at 8-64, prefill 3.5x, docs/optimization_log.md). Past BF16_MAX_ROWS rows
+(or the measured PackedWeight.native_max_rows), where MKL's float32 GEMM was
+faster than the kernel, the bfloat16 weight is widened for it on each call:
+a transient float32 copy of that one weight.
 A bfloat16 model from a GGUF file may also keep the file's Q4_1/Q8_0 blocks
 beside its BF16 ones (`PackedWeight.gguf`, --gguf-blocks auto): 1 to
 BLOCKS_MAX_ROWS rows read those instead, 5 or 8.5 bits per weight instead of
@@ -117,9 +118,10 @@ PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256
 # with the float32 panels (whose stream the prefetch hides) from ~32 rows on.
 BLOCKS_MAX_ROWS = 32
 # bfloat16 block panels have no float32 copy beside them: past this many rows
-# MKL over the weight widened per call is faster (SmolLM2's four linears, 2
-# threads: the kernel 1.16x at 257 rows, 1.03-1.04x at 300-512, 0.96x at
-# 1,024, 0.94x at 2,048; the widening is a fixed cost per call).
+# MKL over the weight widened per call was faster on a Xeon (SmolLM2's four
+# linears, 2 threads: the kernel 1.16x at 257 rows, 1.03-1.04x at 300-512,
+# 0.96x at 1,024, 0.94x at 2,048; the widening is a fixed cost per call).
+# Past it, the start-up measurement decides (PackedWeight.native_max_rows).
 BF16_MAX_ROWS = 512
 
 # --gguf-activations int8: 1..INT8_MAX_ROWS rows of a weight kept in Q4_1/Q8_0

@@ -17,6 +17,7 @@ Either runs once, after load_weights and before the first forward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ from executor_svc.packed_linear import (
     pack,
     pack_bf16,
     pack_blocks,
+    route,
 )
 from executor_svc.rope import rope_cache
 
@@ -58,6 +60,15 @@ NativeRows = Callable[[str], int]
 def default_native_rows(kind: str) -> int:
     """NativeRows where nothing was measured: packed_linear's fixed defaults."""
     return 0
+
+
+def _with_native_rows(packed: PackedWeight, native_rows: NativeRows, kind: str) -> PackedWeight:
+    """`packed` with native_max_rows from `native_rows(kind)`, asked only where
+    MKL would take its large row counts (not where int8 activations, the
+    file's blocks, a bf16 route or --deterministic take them all)."""
+    if route(2**30, packed) != "torch":
+        return packed
+    return dataclasses.replace(packed, native_max_rows=native_rows(kind))
 
 
 def apply(
@@ -107,8 +118,7 @@ def pack_linear_weights(
     blocks of one kind, and a row-parallel shard only if it starts on a
     block boundary. Their outputs are the panels' bit for bit, so
     `batch_invariant` keeps them. `native_rows("panels")` is the panels'
-    PackedWeight.native_max_rows (asked only where panels are made and MKL
-    may take rows)."""
+    PackedWeight.native_max_rows (asked only where MKL would take rows)."""
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.float32, (
         f"packing needs a float32 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -130,10 +140,9 @@ def pack_linear_weights(
 def _float32_packed(
     weight: torch.Tensor, found: BlockPanels | None, batch_invariant: bool, int8_rows: int, native_rows: NativeRows
 ) -> PackedWeight:
-    if int8_rows == INT8_MAX_ROWS:  # no route reads panels
-        return PackedWeight(torch.empty(0), found, batch_invariant=batch_invariant, int8_rows=int8_rows)
-    rows = 0 if batch_invariant else native_rows("panels")  # batch-invariant panels take every row count
-    return PackedWeight(pack(weight), found, batch_invariant=batch_invariant, int8_rows=int8_rows, native_max_rows=rows)
+    panels = torch.empty(0) if int8_rows == INT8_MAX_ROWS else pack(weight)  # no route reads panels then
+    packed = PackedWeight(panels, found, batch_invariant=batch_invariant, int8_rows=int8_rows)
+    return _with_native_rows(packed, native_rows, "panels")
 
 
 @torch.no_grad()
@@ -153,7 +162,7 @@ def widen_bf16(
     weight and the head are also packed into BF16 block panels, which the
     kernel widens to float32 exactly as it reads them (the bfloat16
     tensors stay, widened per call for MKL, which takes the larger row
-    counts); the norms, biases and rope tables become float32, as do the
+    counts where it measured faster); the norms, biases and rope tables become float32, as do the
     activations from the embedding lookup on. So the weights keep their
     bfloat16 values, in as many bytes as float32 weights alone (half what
     a float32 model keeps beside its panels); only the arithmetic is
@@ -181,7 +190,7 @@ def widen_bf16(
     width is packed into float32 panels instead of going to MKL.
     """
     if batch_invariant:
-        bf16_routes, blocks, native_rows = no_routes, None, default_native_rows
+        bf16_routes, blocks = no_routes, None
     assert model.embed_tokens.device.type == "cpu" and model.embed_tokens.dtype == torch.bfloat16, (
         f"widen_bf16 needs a bfloat16 CPU model, not {model.embed_tokens.dtype} on {model.embed_tokens.device}"
     )
@@ -198,7 +207,7 @@ def widen_bf16(
         gguf = _block_panels(model, blocks, names, split, weight)
         routes = bf16_routes(None if gguf is None else gguf.kind)
         onednn = onednn_linear.pack(weight) if any(how == "onednn" for _, how in routes) else None
-        return PackedWeight(
+        packed = PackedWeight(
             None,
             pack_bf16(weight),
             onednn,
@@ -206,8 +215,8 @@ def widen_bf16(
             bf16_routes=routes,
             batch_invariant=batch_invariant,
             int8_rows=_int8_rows(gguf, int8_rows),
-            native_max_rows=native_rows("bf16"),
         )
+        return _with_native_rows(packed, native_rows, "bf16")
 
     for i, layer in enumerate(model.layers):
         layer.packed = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc import bf16_gemm_routes, float_gemm_rows, packed_linear
+from executor_svc import bf16_gemm_routes, float_gemm_rows, machine, packed_linear
 from executor_svc.float_gemm_rows import NATIVE_MARGIN, UNBOUNDED, calibrate, candidates, native_max_rows
 from executor_svc.packed_linear import BF16_MAX_ROWS, PACKED_MAX_ROWS, PackedWeight, pack, pack_bf16, route
 
@@ -48,10 +48,21 @@ def test_calibrate_times_both_alternated_and_reports_medians():
 
 
 @pytest.mark.parametrize("kind", float_gemm_rows.KINDS)
-def test_both_candidates_compute_the_same_product(kind):
+def test_both_candidates_compute_the_same_product(kind, monkeypatch):
+    calls = []
+
+    class MklSpy:  # packed_linear's F: records which candidate reached F.linear (MKL)
+        def linear(self, *args):
+            calls.append(len(calls))
+            return torch.nn.functional.linear(*args)
+
+    monkeypatch.setattr(packed_linear, "F", MklSpy())
     gemms = candidates(48, 64, kind)
     x = torch.randn(600, 64)  # past both fixed defaults
-    native, mkl = gemms["native"](x), gemms["torch"](x)
+    native = gemms["native"](x)
+    assert calls == [], "the native candidate went to MKL"
+    mkl = gemms["torch"](x)
+    assert calls == [0]
     assert native.shape == (600, 48) and native.dtype == torch.float32
     torch.testing.assert_close(native, mkl, rtol=1e-5, atol=1e-5)
 
@@ -109,3 +120,38 @@ def test_a_worker_measures_it_and_prefills_through_the_kernel(tmp_path, monkeypa
         engine = PagedEngine(w.model, num_blocks=48, block_size=16)
         logits.append(engine.step([(engine.add(prompt), len(prompt))])[0])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_measured_only_under_auto_and_outside_deterministic():
+    assert machine.measure_native_rows("auto", True)
+    assert not machine.measure_native_rows("native", True)
+    assert not machine.measure_native_rows("torch", False)
+    assert not machine.measure_native_rows("auto", False)  # no kernel
+    assert not machine.measure_native_rows("auto", True, deterministic=True)
+
+
+def test_a_bf16_model_whose_hidden_width_is_not_whole_blocks_times_its_down_shape(tmp_path, monkeypatch):
+    """hidden_size 48: gate/up's input is not whole BF16 blocks, so the bf16
+    timing takes down's shape (input 160), the only weight kept in blocks."""
+    from model_utils import save_tiny_hf_model
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.worker import Worker
+
+    save_tiny_hf_model("llama_tied", str(tmp_path), hidden_size=48)
+    Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(machine, "cpu_has_fast_bf16", lambda: False)
+    shapes = []
+
+    def forced(out_features, in_features, kind, seed=0):
+        shapes.append((out_features, in_features, kind))
+        return {"native": None, "torch": None}
+
+    monkeypatch.setattr(float_gemm_rows, "candidates", forced)
+    monkeypatch.setattr(float_gemm_rows, "calibrate", lambda gemms, in_features: (UNBOUNDED, {}))
+    monkeypatch.setattr(bf16_gemm_routes, "stored_or_measured", lambda key, measure: (*measure(), "measured"))
+    worker = Worker(ExecutorConfig(model=str(tmp_path), dtype="bfloat16", kv_cache_gib=0.01))
+    assert shapes == [(48, 160, "bf16")]
+    assert all(layer.packed["down"].native_max_rows == UNBOUNDED for layer in worker.model.layers)
