@@ -19,15 +19,20 @@ glibc's malloc parameters (mallopt(3)):
 
     M_ARENA_MAX 1          every thread allocates from the main arena, whose
                            heap grows and shrinks at its top
-    M_MMAP_THRESHOLD 32 MiB  fixed at glibc's ceiling (otherwise it starts at
-                           128 KiB and adapts): blocks up to that size come
-                           from the heap; larger ones (weights, the KV cache,
-                           huge activations) are still mapped on their own
+    M_MMAP_MAX 0           no block is mapped on its own, whatever its size:
+                           all come from the heap (otherwise every block past
+                           the mmap threshold, 128 KiB adapting up to glibc's
+                           32 MiB ceiling, is mapped when allocated and
+                           unmapped when freed)
     M_TRIM_THRESHOLD 1 GiB the heap's top is handed back to the kernel only
                            past that much free memory
 
 With all three, the same step on the forward thread took no faults (each
-alone, or the thresholds without one arena, did not get there). The cost:
+alone, or the thresholds without one arena, did not get there). The
+twenty-sixth session fixed the mmap threshold at 32 MiB instead of
+disabling mmap: blocks past it stayed mapped per use, and at 256 decodes
+the LM head's 50 MB of logits were, 12,289 faults and 89 ms of system time
+in a 194 ms step (docs/optimization_log.md, twenty-seventh session). The cost:
 the heap keeps up to the largest step's activations mapped between steps,
 memory that step needs again anyway, and the executor's other threads (gRPC's,
 the event loop's, the OpenMP and oneDNN workers', with tensor parallelism the
@@ -35,7 +40,7 @@ process group's) share the main arena's lock with the forward thread; all
 but the forward thread allocate little.
 
 The model's load frees temporaries too (dequantised copies of the weights),
-which the heap would keep under the same threshold: 114 MB more resident
+which the heap would keep: 114 MB more resident
 after loading the embedded model in bfloat16. So the executor hands the
 heap's free memory back once, after the load (`release_free_memory`); its
 first steps then fault their activations in once more.
@@ -56,12 +61,12 @@ log = structlog.get_logger(__name__)
 
 # mallopt(3) parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 
 SETTINGS = (
     ("arena_max", M_ARENA_MAX, 1),
-    ("mmap_threshold_bytes", M_MMAP_THRESHOLD, 32 << 20),
+    ("mmap_max", M_MMAP_MAX, 0),
     ("trim_threshold_bytes", M_TRIM_THRESHOLD, 1 << 30),
 )
 
