@@ -242,9 +242,29 @@ def calibrate(
     (cache_evictor), untimed."""
     assert "blocks" in gemms, "the BF16 blocks are the baseline every weight has"
     gemms = agreeing(gemms, in_features, rows)
-    gen = torch.Generator().manual_seed(1)
-    times: dict[int, dict[str, float]] = {}
+    median_s = median_times(gemms, in_features, rows, reps, clock, evict)
     routes: list[tuple[int, str]] = []
+    for count, median in median_s.items():
+        fastest = winner(median)
+        if not routes or routes[-1][1] != fastest:
+            routes.append((count, fastest))
+    return tuple(routes), microseconds(median_s)
+
+
+def median_times(
+    gemms: dict[str, Gemm],
+    in_features: int,
+    rows: tuple[int, ...],
+    reps: int,
+    clock: Callable[[], float],
+    evict: Callable[[], None] | None = None,
+) -> dict[int, dict[str, float]]:
+    """The median seconds of each GEMM at each row count (in `rows`' order)
+    over `reps` calls after one untimed warm-up call, the GEMMs alternated
+    call by call so that a busy moment of a shared machine hits them all;
+    `evict()`, where given, runs untimed before each call."""
+    gen = torch.Generator().manual_seed(1)
+    median_s: dict[int, dict[str, float]] = {}
     for count in rows:
         x = torch.randn(count, in_features, generator=gen)
         runs: dict[str, list[float]] = {name: [] for name in gemms}
@@ -256,12 +276,13 @@ def calibrate(
                 gemm(x)
                 if i:
                     runs[name].append(clock() - start)
-        median = {name: sorted(r)[reps // 2] for name, r in runs.items()}
-        times[count] = {name: round(t * 1e6, 1) for name, t in median.items()}
-        fastest = winner(median)
-        if not routes or routes[-1][1] != fastest:
-            routes.append((count, fastest))
-    return tuple(routes), times
+        median_s[count] = {name: sorted(r)[reps // 2] for name, r in runs.items()}
+    return median_s
+
+
+def microseconds(median_s: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """median_times' seconds as microseconds to 0.1, for the log and the stored file."""
+    return {count: {name: round(t * 1e6, 1) for name, t in m.items()} for count, m in median_s.items()}
 
 
 def machine_key(source: str, **measurement) -> dict:

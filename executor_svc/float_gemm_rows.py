@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from executor_svc.bf16_gemm_routes import median_times, microseconds
 from executor_svc.packed_linear import INT8_MAX_ROWS, PackedWeight, linear, pack, pack_bf16
 
 # Prefill chunk sizes past both fixed defaults (256 and 512 rows), up to a
@@ -93,17 +94,5 @@ def calibrate(
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[int, dict[int, dict[str, float]]]:
     """(native_max_rows, median microseconds of each GEMM at each row count)."""
-    gen = torch.Generator().manual_seed(1)
-    median_s: dict[int, dict[str, float]] = {}
-    for count in rows:
-        x = torch.randn(count, in_features, generator=gen)
-        runs: dict[str, list[float]] = {name: [] for name in gemms}
-        for i in range(reps + 1):
-            for name, gemm in gemms.items():
-                start = clock()
-                gemm(x)
-                if i:
-                    runs[name].append(clock() - start)
-        median_s[count] = {name: sorted(r)[reps // 2] for name, r in runs.items()}
-    times_us = {count: {n: round(t * 1e6, 1) for n, t in m.items()} for count, m in median_s.items()}
-    return native_max_rows(median_s), times_us
+    median_s = median_times(gemms, in_features, rows, reps, clock)
+    return native_max_rows(median_s), microseconds(median_s)
