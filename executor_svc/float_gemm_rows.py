@@ -17,10 +17,9 @@ shape (gate and up) at CALIBRATION_ROWS, alternated so that a busy moment
 of a shared machine hits both, each after one untimed warm-up call. The
 kernel keeps every row count up to the last timed one before the first
 where it is not NATIVE_MARGIN faster than MKL; winning at every timed
-count, it keeps them all
-(the kernel works through rows a chunk of MC at a time, so its rate does not
-fall with more rows). Where MKL wins at the first timed count, the fixed
-defaults stay.
+count, it keeps them all (the kernel works through rows a chunk of MC at a
+time, so its rate does not fall with more rows). Where MKL wins at the
+first timed count, the fixed defaults stay.
 
 Both are float32 arithmetic, summed in different orders, so the choice
 moves results by float32 rounding; it is stored in the kernel cache like
@@ -38,23 +37,19 @@ import torch
 from executor_svc.bf16_gemm_routes import median_times, microseconds
 from executor_svc.packed_linear import INT8_MAX_ROWS, PackedWeight, linear, pack, pack_bf16
 
-# Prefill chunk sizes past both fixed defaults (256 and 512 rows), up to a
-# full 2,048-token chunk.
-# 384: past the panels' 256-row chunk, where a Xeon's kernel ran 0.85x MKL
-# (an uneven split of two chunks between threads; docs/optimization_log.md).
+# Prefill chunk sizes past the panels' fixed limit (256 rows), up to a full
+# 2,048-token chunk. 384 first: two of the kernel's 256-row chunks split
+# unevenly between threads there, and a Xeon's kernel ran 0.85x MKL
+# (docs/optimization_log.md).
 CALIBRATION_ROWS = (384, 512, 1024, 2048)
 # How much faster (median) the kernel must be to take rows from MKL: both
 # are float32, so this only keeps a tie inside the timing noise with the default.
 NATIVE_MARGIN = 1.05
 # native_max_rows where the kernel won at every timed row count.
 UNBOUNDED = INT8_MAX_ROWS
-KINDS = ("panels", "bf16")
+KINDS = ("panels", "bf16")  # float32 panels of a float32 model; BF16 blocks of a widened bfloat16 one
 # Environment variables that change which kernels MKL dispatches to.
-MKL_DISPATCH_ENV = (
-    "MKL_ENABLE_INSTRUCTIONS",
-    "MKL_DEBUG_CPU_TYPE",
-    "MKL_CBWR",
-)  # float32 panels of a float32 model; BF16 blocks of a widened bfloat16 one
+MKL_DISPATCH_ENV = ("MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_CBWR")
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
