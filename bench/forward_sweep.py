@@ -8,7 +8,11 @@ ceiling and its memory read floor.
 
 In process, no gRPC: the executor's Worker (the embedded SmolLM2-135M unless
 --model) runs synthetic step plans through ModelRunner.execute, the call the
-executor server makes once per step. A decode at context c is a request of c
+executor server makes once per step, in a process set up as the executor's
+is: its heap maps no block per use (executor_svc/heap.py; without it the
+logits of 170 decodes or more, past 32 MiB, were faulted in at every step)
+and the objects alive after the load are frozen out of the garbage collector
+(shared/gc_startup.py). A decode at context c is a request of c
 random tokens whose first c-1 count as cached (num_computed_tokens = c-1; KV
 contents do not change the time) and one scheduled token, in ceil(c/16)
 blocks of its own: no two requests share a block, as in a real cache, so
@@ -100,10 +104,12 @@ import torch
 
 from bench import forward_sweep_report, membw, report, step_bytes
 from executor_svc.config import GGUF_ACTIVATIONS, GGUF_BLOCKS, ExecutorConfig
+from executor_svc.heap import keep_freed_memory, release_free_memory
 from executor_svc.kv_cache import GIB, bytes_per_block
 from executor_svc.machine import cpu_has_fast_bf16
 from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker
+from shared.gc_startup import freeze_startup_objects
 from shared.logging import configure_logging
 from shared.sampling_params import SamplingParams
 from shared.step_plan import NewRequestData, StepPlan
@@ -321,6 +327,9 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         block_size=BLOCK_SIZE, max_num_batched_tokens=max_tokens, max_num_seqs=max(r["batch"] for r in rows)
     )
     timed = worker.runner.model = TimedModel(worker.runner.model)
+    # As the executor does once its model is loaded (executor_svc/__main__.py).
+    freeze_startup_objects()
+    release_free_memory()
 
     cfg = worker.model_config
     head = cfg.vocab_size * cfg.hidden_size
@@ -372,6 +381,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         progress.step()
     add_attention_rates(out, bandwidth["copy_bytes_per_s"])
     del worker, timed
+    gc.unfreeze()
     gc.collect()  # free this dtype's weights and KV before the next loads
     return model, ceiling, bandwidth, out
 
@@ -421,4 +431,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     configure_logging("warning")  # the runner logs every new request at debug level
+    keep_freed_memory(steps_on_main_thread=True)  # the executor's heap (executor_svc/heap.py)
     main()

@@ -71,14 +71,17 @@ SETTINGS = (
 )
 
 
-def keep_freed_memory() -> dict[str, int] | None:
+def keep_freed_memory(steps_on_main_thread: bool = False) -> dict[str, int] | None:
     """Sets SETTINGS with glibc's mallopt; returns them as set, or None where
     this C library has no mallopt. Must run while the main thread is the
     process's only thread: a thread that has allocated already keeps its arena,
     and glibc could hand that arena, not the main one, to the forward thread.
     RuntimeError if another thread (Python's or native, where Linux's /proc
-    lists them) is running."""
-    if threading.active_count() != 1 or _os_thread_count() not in (None, 1):
+    lists them) is running, unless `steps_on_main_thread`: a process that
+    steps the model on its main thread (bench.forward_sweep) allocates from
+    the main arena whatever threads exist, and needs only the other two."""
+    alone = threading.active_count() == 1 and _os_thread_count() in (None, 1)
+    if not (alone or steps_on_main_thread):
         raise RuntimeError("the heap must be set up before any other thread starts")
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
