@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import executor_svc.top_p as top_p_module
+from executor_svc.row_ops import RowOps
 from executor_svc.sampler import Sampler, apply_min_tokens_and_penalties, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
 from shared.sampling_params import SamplingParams
@@ -386,3 +387,28 @@ def test_cuda_matches_cpu_for_seeded_and_greedy_rows():
     md = build_sampling_metadata(params, prompts, outputs, 49152, "cuda")
     gpu = Sampler()(logits.cuda(), md).sampled_token_ids
     assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("ops", [RowOps(), RowOps.torch_only()], ids=["native", "torch"])
+def test_top_p_threshold_is_the_full_sorts_in_every_tier(ops, monkeypatch):
+    # Rows whose nucleus lies within the first tier, within CANDIDATES, and
+    # beyond both (near-flat rows, ties, -inf tokens): every tier must find
+    # the threshold a sort of the whole row finds, the whole-row tier included
+    # (it takes ops.leading at full width, not torch's sort).
+    monkeypatch.setattr(top_p_module, "FIRST_CANDIDATES", 16)
+    monkeypatch.setattr(top_p_module, "CANDIDATES", 256)
+    vocab = 8192
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(4, vocab, generator=gen) * 8
+    flat = torch.randn(4, vocab, generator=gen) * 0.05
+    tied = (torch.randn(4, vocab, generator=gen) * 4).round() / 4
+    masked = (torch.randn(4, vocab, generator=gen)).masked_fill(torch.rand(4, vocab, generator=gen) < 0.5, -math.inf)
+    logits = torch.cat([peaked, flat, tied, masked])
+    top_p = torch.tensor([0.3, 0.9, 0.95, 0.999] * 4)
+    got = top_p_module.threshold(logits, top_p, ops)
+    ordered = logits.sort(dim=-1, descending=True).values
+    want, _ = top_p_module.nucleus_threshold(ordered, ops.logsumexp(logits), top_p, ops)
+    assert torch.equal(got, want)
+    # The flat rows do need the whole row: their nucleus is longer than CANDIDATES.
+    kept = (logits[4:8] >= got[4:8]).sum(dim=-1)
+    assert int(kept.min()) > 256, kept
