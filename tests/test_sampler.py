@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import executor_svc.top_p as top_p_module
+from executor_svc import fused_ops
 from executor_svc.row_ops import RowOps
 from executor_svc.sampler import Sampler, apply_min_tokens_and_penalties, build_sampling_metadata
 from executor_svc.seeded_noise import seeded_uniform, vocab_keys
@@ -277,6 +278,16 @@ def test_greedy_is_exactly_argmax():
     tiny = sample([SamplingParams(temperature=1e-37)] * 16, logits * 1e3)
     assert torch.equal(tiny.sampled_token_ids, expected)
     assert sample([], torch.zeros(0, 1000)).sampled_token_ids.shape == (0,)
+
+
+def test_top_logprobs_list_equal_values_by_token_id():
+    # The native top_k_rows (CPU, AVX-512) orders ties by id; torch's topk leaves their order to its algorithm.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 1.0, 2.0, 0.5, 1.0]])
+    if fused_ops.topk_rows(logits, 1) is None:
+        pytest.skip("no native top_k_rows on this CPU")
+    out = sample([SamplingParams(temperature=0.0, logprobs=4)], logits)
+    assert [t for t, _ in out.logprobs[0].top] == [2, 4, 1, 3]
+    assert [v for _, v in out.logprobs[0].top] == pytest.approx(logits.log_softmax(-1)[0, [2, 4, 1, 3]].tolist())
 
 
 def test_logprobs_are_the_raw_log_softmax():
