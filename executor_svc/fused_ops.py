@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
-the sampler's row argmax and exponential race, each in one native pass, for CPU tensors: float32
-(native/fused_ops.c) and, all but the sampler's, bfloat16 (native/fused_ops_bf16.c,
+the sampler's row argmax, exponential race and seeded noise, each in one
+native pass, for CPU tensors: float32 (native/fused_ops.c) and, all but the sampler's, bfloat16 (native/fused_ops_bf16.c,
 which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
 the write of new K/V rows into a bfloat16 cache.
 
@@ -220,6 +220,31 @@ def race_rows(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     status = _lib().race_rows_f32(
         out.data_ptr(), x.data_ptr(), x.stride(0), keys.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()
+    )
+    return out if status == 0 else None
+
+
+def seeded_uniform_rows(keys: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor | None:
+    """float32 [S, V] (vocab_keys [V]) or [S, W] (vocab_keys [S, W]): seeded_noise.seeded_uniform's
+    uniforms for row keys `keys` [S] (its row_keys), bit for bit, in one native pass
+    (native/fused_ops.c: seeded_uniform_rows_f32); None off CPU or where the build has no vector path."""
+    assert keys.dtype == vocab_keys.dtype == torch.int64 and keys.dim() == 1, f"{keys.dtype} {vocab_keys.dtype}"
+    lib = _lib()
+    if lib is None or keys.device.type != "cpu" or vocab_keys.device.type != "cpu":
+        return None
+    keys, vk = keys.contiguous(), vocab_keys.contiguous()
+    per_row = vk.dim() == 2
+    assert not per_row or vk.shape[0] == keys.shape[0], f"{tuple(vk.shape)} keys for {keys.shape[0]} rows"
+    out = torch.empty(keys.shape[0], vk.shape[-1], dtype=torch.float32)
+    status = lib.seeded_uniform_rows_f32(
+        out.data_ptr(),
+        out.stride(0),
+        keys.data_ptr(),
+        vk.data_ptr(),
+        vk.stride(0) if per_row else 0,
+        keys.shape[0],
+        vk.shape[-1],
+        torch.get_num_threads(),
     )
     return out if status == 0 else None
 

@@ -35,6 +35,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int rows, int cols, int k, int num_threads)",
         "int temper_rows_f32(float *out, int64_t ld_out, const float *x, int64_t ld_x, const float *t, int rows,"
         " int cols, int num_threads)",
+        "int seeded_uniform_rows_f32(float *out, int64_t ld_out, const int64_t *keys, const int64_t *vkeys,"
+        " int64_t ld_vk, int rows, int cols, int num_threads)",
     ),
     "native/fused_ops_bf16.c": (
         "int rms_norm_bf16(uint16_t *out, int64_t ld_out, uint16_t *x, int64_t ld_x, const uint16_t *delta,"

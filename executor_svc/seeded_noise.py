@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from executor_svc import fused_ops
+
 MASK32 = 0xFFFFFFFF
 # lowbias32 (Chris Wellons' hash-prospector), a bijection on 32-bit integers.
 # The integers live in int64 lanes; a multiplier >= 2**31 is replaced by the
@@ -43,6 +45,14 @@ def seeded_uniform(
     2**-32); one round per element then mixes it with the token's key.
     """
     key = row_keys(seed_lo, seed_hi, positions)
+    # On CPU the same bits in one native pass: 64 x 49,152 took 24.7 ms of
+    # torch's int64 ops and 0.6 ms natively (AMD EPYC Zen 5, 2 threads).
+    native = fused_ops.seeded_uniform_rows(key, vocab_keys) if key.device.type == "cpu" else None
+    return native if native is not None else uniform_from_keys(key, vocab_keys)
+
+
+def uniform_from_keys(key: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
+    """seeded_uniform's noise from its row keys `key` [S], in torch ops (any device)."""
     x = _mix32_(key[:, None] ^ (vocab_keys if vocab_keys.dim() == 2 else vocab_keys[None, :]))
     # 23 bits + 0.5 is exact in float32 and strictly inside (0, 1): u = 1 would
     # give E = 0 and an infinite score for a masked token.

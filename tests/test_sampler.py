@@ -17,7 +17,7 @@ import executor_svc.top_p as top_p_module
 from executor_svc import fused_ops
 from executor_svc.row_ops import RowOps
 from executor_svc.sampler import Sampler, apply_min_tokens_and_penalties, build_sampling_metadata
-from executor_svc.seeded_noise import seeded_uniform, vocab_keys
+from executor_svc.seeded_noise import seeded_uniform, uniform_from_keys, vocab_keys
 from shared.sampling_params import SamplingParams
 
 # Distinct probabilities, deliberately not in token order, so sorted rank != id.
@@ -126,6 +126,21 @@ def test_top_p_nucleus_larger_than_the_candidate_set(seeded, monkeypatch):
     assert int((ranks >= nucleus - 100).sum()) > 0, "the nucleus lost its tail"  # ~15 expected
     # Ranks 256..1500 hold ~67% of the nucleus mass.
     assert int((ranks >= 256).sum()) > rows // 2, "the nucleus was cut at the candidate set"
+
+
+def test_native_seeded_uniform_is_the_torch_ops_bit_for_bit():
+    # Whole rows (a width with a tail past the 16-lane vectors) and gathered tokens per row,
+    # row keys up to 2**32 - 1.
+    vocab = 1000
+    keys = vocab_keys(vocab, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    row = torch.cat([torch.randint(0, 1 << 32, (6,), generator=gen), torch.tensor([0, (1 << 32) - 1])])
+    ids = torch.randint(0, vocab, (8, 37), generator=gen)
+    for token_keys in (keys, keys[ids]):
+        native = fused_ops.seeded_uniform_rows(row, token_keys)
+        if native is None:
+            pytest.skip("no native fused ops on this CPU")
+        assert torch.equal(native, uniform_from_keys(row, token_keys))
 
 
 def test_hash_noise_is_uniform_and_independent():

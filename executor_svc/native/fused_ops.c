@@ -204,6 +204,42 @@ int race_rows_f32(int64_t *out, const float *x, int64_t ld_x, const int64_t *key
 #endif
 }
 
+/* out[r][j] = seeded_noise.seeded_uniform's u for row key keys[r] and token
+ * key vkeys[j] (ld_vk 0: one row of keys for every row) or vkeys[r * ld_vk + j]:
+ * (mix32(key ^ vkey) >> 9 + 0.5) / 2^23, bit for bit (every step is exact in
+ * 32-bit integers, and x + 0.5 for x < 2^23 and the power-of-two scale are
+ * exact in float32). torch's int64 ops made twelve passes over a 64 x 49,152
+ * row block for it. Keys are in [0, 2^32). Returns -1 where this build has no
+ * AVX-512 path. */
+int seeded_uniform_rows_f32(float *out, int64_t ld_out, const int64_t *keys, const int64_t *vkeys, int64_t ld_vk,
+                            int rows, int cols, int num_threads)
+{
+#ifdef __AVX512F__
+    const __m512i lo32 = _mm512_set1_epi64(0xFFFFFFFF);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((int64_t)rows * cols >= 65536)
+    for (int r = 0; r < rows; r++) {
+        const __m512i key = _mm512_set1_epi32((int)(uint32_t)keys[r]);
+        const int64_t *vk = vkeys + (int64_t)r * ld_vk;
+        for (int i = 0; i < cols; i += 16) {
+            const __mmask16 m = tail_mask(cols, i);
+            /* The 16 token keys' low 32 bits (all of them: they are < 2^32), two 8-lane halves. */
+            const __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi64((__mmask8)m, vk + i), lo32);
+            const __m512i b = _mm512_and_si512(_mm512_maskz_loadu_epi64((__mmask8)(m >> 8), vk + i + 8), lo32);
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(a)),
+                                                 _mm512_cvtepi64_epi32(b), 1);
+            const __m512i h = _mm512_srli_epi32(mix32(_mm512_xor_si512(key, v)), 9);
+            const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(0.5f)),
+                                           _mm512_set1_ps(1.0f / 8388608.0f));
+            _mm512_mask_storeu_ps(out + (int64_t)r * ld_out + i, m, u);
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)ld_out; (void)keys; (void)vkeys; (void)ld_vk; (void)rows; (void)cols; (void)num_threads;
+    return -1;
+#endif
+}
+
 #ifdef __AVX512F__
 /* The row's largest value (-inf for an all -inf row); *nan says whether it holds a NaN. */
 static float row_max(const float *xr, int cols, int *nan)
