@@ -1,8 +1,9 @@
 """RMSNorm (with the residual add), rotary embedding, the SwiGLU gate and
 the sampler's row argmax, exponential race and seeded noise, each in one
-native pass, for CPU tensors: float32 (native/fused_ops.c) and, all but the sampler's, bfloat16 (native/fused_ops_bf16.c,
-which rounds to bfloat16 where torch's bf16 ops round: see its header), plus
-the write of new K/V rows into a bfloat16 cache.
+native pass, for CPU tensors: float32 (native/fused_ops.c) and, all but the
+sampler's, bfloat16 (native/fused_ops_bf16.c, which rounds to bfloat16 where
+torch's bf16 ops round: see its header), plus the write of new K/V rows into
+a bfloat16 cache.
 
 `available(*tensors)` says whether an op's tensors can take the native path;
 the model falls back to plain torch otherwise (CUDA, mixed dtypes, no C
