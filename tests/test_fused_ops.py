@@ -291,7 +291,9 @@ def stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_vector_argmax
-@pytest.mark.parametrize("cols,k", [(1, 1), (17, 5), (1000, 1000), (1000, 256), (49152, 256), (49152, 4096)])
+@pytest.mark.parametrize(
+    "cols,k", [(1, 1), (17, 5), (1000, 1000), (1000, 256), (49152, 256), (49152, 4096), (49152, 49152)]
+)
 def test_topk_rows_is_the_stable_descending_sort_cut_at_k(cols, k):
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols + k)) * 3
     x[2] = x[2].round()  # many ties, also across the k-th value

@@ -412,8 +412,10 @@ int topk_rows_f32(float *values, int64_t ld_v, int64_t *ids, int64_t ld_i, const
             status = -2;
             continue;
         }
-        int n;
-        const float t = top_threshold(xr, cols, k, m, &n);
+        /* The whole row (top-p's last tier) needs no threshold: where it holds -inf
+         * (top-k's mask), the search below would double its distance to -inf ~128 times. */
+        int n = cols;
+        const float t = k == cols ? -INFINITY : top_threshold(xr, cols, k, m, &n);
         const size_t room = (size_t)n + 16; /* a gather stores whole vectors */
         uint32_t *buf = malloc(room * 4 * sizeof(uint32_t));
         if (!buf) {
