@@ -3,7 +3,7 @@
 agreement and top-5 logprob differences on real English text.
 
     .venv/bin/python -m bench.bf16_quant_quality [--model PATH.gguf] [--max-tokens 256] [--chunk 32]
-        [--gguf-dot] [--int8-activations]
+        [--gguf-dot] [--int8-activations] [--kv-int8]
 
 Loads the GGUF three times through the executor's loader, as served on CPU
 (packed GEMM, KV cache in the model's dtype): bfloat16 widened with the
@@ -21,6 +21,11 @@ in Q4_1 on the route gguf_dot at every row count (activations rounded to
 bfloat16, the Q4_1 blocks multiplied with VDPBF16PS or, without it, its
 emulation: same arithmetic, slower), as start-up calibration routes decode
 batches on a CPU with AVX512-BF16; the head's Q8_0 keeps the float32 loop.
+
+--kv-int8 adds the first model over an int8 KV cache (--kv-cache-dtype int8,
+kv_quant.py), compared with it over its bfloat16 cache and with float32;
+--chunk 1 runs every position through the decode kernel, else the prefill
+kernel reads the cached chunks.
 
 --int8-activations adds another load: float32 with the file's blocks and
 --gguf-activations int8 (every GGUF linear takes int8 activations at any
@@ -44,6 +49,7 @@ from tokenizers import Tokenizer
 from executor_svc import packed_linear
 from executor_svc.attention import get_backend
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.kv_cache import allocate_kv_caches
 from executor_svc.model_loader import load_model
 
 MODULES = (
@@ -72,12 +78,8 @@ def texts() -> list[str]:
 def logits_by_position(model, token_ids: list[int], chunk: int, kv_dtype: torch.dtype) -> torch.Tensor:
     """float32 [len - 1, vocab]: logits after each token but the last, one
     sequence fed `chunk` tokens a step into a paged KV cache."""
-    cfg = model.config
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
-    shape = (num_blocks + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [
-        (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_hidden_layers)
-    ]
+    kv = allocate_kv_caches(model.config, num_blocks + 1, BLOCK_SIZE, kv_dtype, torch.device("cpu"))
     table = torch.arange(1, num_blocks + 1, dtype=torch.int32).unsqueeze(0)  # block 0 stays unused
     out = []
     for start in range(0, len(token_ids) - 1, chunk):
@@ -131,23 +133,27 @@ def main(argv=None) -> None:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--gguf-dot", action="store_true", help="also bf16 with the Q4_1 blocks on route gguf_dot")
     p.add_argument("--int8-activations", action="store_true", help="also float32 with --gguf-activations int8")
+    p.add_argument("--kv-int8", action="store_true", help="also bf16+gguf over an int8 KV cache")
     a = p.parse_args(argv)
     torch.set_num_threads(a.num_threads)
-    variants = {
-        "bf16+gguf": (torch.bfloat16, True, 0),
-        "bf16": (torch.bfloat16, False, 0),
-        "float32": (torch.float32, True, 0),
+    variants = {  # name: (dtype, GGUF blocks, int8 activation rows, KV cache dtype)
+        "bf16+gguf": (torch.bfloat16, True, 0, torch.bfloat16),
+        "bf16": (torch.bfloat16, False, 0, torch.bfloat16),
+        "float32": (torch.float32, True, 0, torch.float32),
     }
     pairs = [("bf16+gguf", "bf16"), ("bf16+gguf", "float32"), ("bf16", "float32")]
     if a.gguf_dot:
-        variants["bf16+gguf_dot"] = (torch.bfloat16, True, 0)
+        variants["bf16+gguf_dot"] = (torch.bfloat16, True, 0, torch.bfloat16)
         pairs += [("bf16+gguf_dot", "bf16"), ("bf16+gguf_dot", "float32"), ("bf16+gguf_dot", "bf16+gguf")]
     if a.int8_activations:
         assert packed_linear.kernel().int8_native, "--int8-activations needs AVX512-VNNI"
-        variants["float32+int8"] = (torch.float32, True, packed_linear.INT8_MAX_ROWS)
+        variants["float32+int8"] = (torch.float32, True, packed_linear.INT8_MAX_ROWS, torch.float32)
         pairs.append(("float32+int8", "float32"))
+    if a.kv_int8:
+        variants["bf16+gguf+kv8"] = (torch.bfloat16, True, 0, torch.int8)
+        pairs += [("bf16+gguf+kv8", "bf16+gguf"), ("bf16+gguf+kv8", "float32")]
     logits, tokenizer = {}, None
-    for name, (dtype, blocks, int8_rows) in variants.items():
+    for name, (dtype, blocks, int8_rows, kv_dtype) in variants.items():
         loaded = load_model(
             a.model, dtype, "cpu", get_backend("cpu"), packed_gemm=True, gguf_blocks=blocks, int8_rows=int8_rows
         )
@@ -156,7 +162,7 @@ def main(argv=None) -> None:
         if tokenizer is None:
             tokenizer = Tokenizer.from_str(loaded.tokenizer.tokenizer_json)
             docs = [tokenizer.encode(t, add_special_tokens=False).ids[: a.max_tokens] for t in texts()]
-        logits[name] = [logits_by_position(loaded.model, ids, a.chunk, dtype) for ids in docs]
+        logits[name] = [logits_by_position(loaded.model, ids, a.chunk, kv_dtype) for ids in docs]
         del loaded
     positions = sum(len(ids) - 1 for ids in docs)
     print(f"{len(docs)} stdlib docstrings, {positions} positions, teacher-forced {a.chunk} tokens a step")

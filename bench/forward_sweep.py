@@ -171,6 +171,13 @@ def parser() -> argparse.ArgumentParser:
         help="the executor's --gguf-activations (int8: the rows that read GGUF blocks quantise their "
         "activations to int8, on CPUs with AVX512-VNNI)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "int8"),
+        help="the executor's --kv-cache-dtype (auto: the dtype's own; int8: one byte a value and a scale per "
+        "token and KV head, which the KV bytes and their floor count)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed steps per row (median), after 2 warm-ups")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M)")
     p.add_argument(
@@ -305,8 +312,8 @@ def time_row(worker: Worker, timed: TimedModel, row: dict, rounds: int, steps, g
 def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress) -> tuple[dict, dict, dict, list]:
     """(model facts, matmul ceiling, memory bandwidth, measured rows) for one dtype."""
     config = open_checkpoint(args.model)[0].config
-    elem_dtype = getattr(torch, dtype_name)
-    gib = args.kv_cache_gib or kv_gib_needed(config, elem_dtype, rows)
+    kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else getattr(torch, dtype_name)
+    gib = args.kv_cache_gib or kv_gib_needed(config, kv_dtype, rows)
     worker = Worker(
         ExecutorConfig(
             model=args.model,
@@ -317,6 +324,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
             gguf_blocks=args.gguf_blocks,
             decoder_stack=args.decoder_stack,
             gguf_activations=args.gguf_activations,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     too_long = [r["context"] for r in rows if r["context"] > worker.max_model_len]
@@ -343,6 +351,7 @@ def run_dtype(args, dtype_name: str, rows: list[dict], progress: report.Progress
         vocab=cfg.vocab_size,
         layers=cfg.num_hidden_layers,
         kv_cache_gib=round(gib, 4),
+        kv_cache_dtype=str(worker.kv_dtype).removeprefix("torch."),
     )
     ceiling = ceilings(worker, args.rounds)
     bandwidth = membw.measure(args.rounds, args.bandwidth_mib * membw.MIB)

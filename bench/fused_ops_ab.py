@@ -37,7 +37,7 @@ from executor_svc.model_loader import open_checkpoint
 from executor_svc.worker import Worker
 from shared.logging import configure_logging
 
-NATIVE_CALLS = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv_bf16")
+NATIVE_CALLS = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv")
 
 
 def _recorded(name: str, fn):

@@ -13,8 +13,8 @@ DecoderLayer.forward's order. The result is the Python path's bit for bit
 Where it applies (`DecoderStack.build` says None otherwise, and
 `DecoderStack.forward` returns None for a step it does not take):
 - CPU, one rank, the native CPU attention backend, float32 activations
-  (a float32 model, or a bfloat16 one widened to float32), a float32 or
-  bfloat16 KV cache, the native fused ops and packed GEMM built;
+  (a float32 model, or a bfloat16 one widened to float32), a float32,
+  bfloat16 or int8 KV cache, the native fused ops and packed GEMM built;
 - a step whose every query token is a decode item of the attention kernel
   (no prefill chunk; in --deterministic mode every step qualifies);
 - every linear routed, at the step's row count, to the packed kernel
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from executor_svc import fused_ops
+from executor_svc import fused_ops, kv_quant
 from executor_svc.layer_ops import Kernels
 from executor_svc.model import KVCache, LlamaForCausalLM
 from executor_svc.native_build import load_library
@@ -77,7 +77,7 @@ class _Model(ctypes.Structure):
             "rms_norm",
             "rope",
             "silu_mul",
-            "kv_write_bf16",
+            "kv_write",
             "attention",
         )
     ]
@@ -92,7 +92,7 @@ class _Model(ctypes.Structure):
             "num_kv_heads",
             "head_dim",
             "block_size",
-            "kv_bf16",
+            "kv_narrow",
             "attention_flags",
             "bf16_dot_native",
             "num_slots",
@@ -158,7 +158,8 @@ class DecoderStack:
         cfg, first = model.config, model.layers[0]
         k_cache = kv_caches[0][0]
         gemm, f32 = kernel(), fused_ops._LIBRARIES[torch.float32]()
-        bf16 = k_cache.dtype == torch.bfloat16
+        bf16_lib = fused_ops._LIBRARIES[torch.bfloat16]
+        writer = {torch.bfloat16: "kv_write_bf16", torch.int8: "kv_write_int8"}.get(k_cache.dtype)
         self._model = _Model(
             gemm_panels=_address(gemm.gemm),
             gemm_blocks=_address(gemm.gemm_blocks),
@@ -168,7 +169,7 @@ class DecoderStack:
             rms_norm=_address(f32.rms_norm_f32),
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),
-            kv_write_bf16=_address(fused_ops._LIBRARIES[torch.bfloat16]().kv_write_bf16) if bf16 else None,
+            kv_write=_address(getattr(bf16_lib(), writer)) if writer else None,
             attention=_address(self._backend._kernel),  # and again each step (forward)
             final_norm=model.norm.data_ptr(),
             num_layers=len(model.layers),
@@ -178,7 +179,7 @@ class DecoderStack:
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
             block_size=k_cache.shape[1],
-            kv_bf16=int(bf16),
+            kv_narrow=int(writer is not None),
             attention_flags=0,  # set per step, from the backend's decode route
             bf16_dot_native=int(gemm.bf16_dot_native),
             num_slots=k_cache.shape[0] * k_cache.shape[1],
@@ -210,7 +211,8 @@ class DecoderStack:
             # the kernel keeps per-head state in arrays of _MAX_HEADS.
             and first.num_heads % first.num_kv_heads == 0
             and first.num_heads <= _MAX_HEADS
-            and k_cache.shape[2:] == (first.num_kv_heads, first.head_dim)
+            and k_cache.shape[2] == first.num_kv_heads
+            and kv_quant.head_dim_of(k_cache) == first.head_dim
             and model.tp_size == 1
             and isinstance(model.attn_backend, CpuAttentionBackend)
             and model.compute_dtype == torch.float32
@@ -219,7 +221,9 @@ class DecoderStack:
             and f32.silu_mul_f32(None, 0, None, 0, 0, 0, 1) == 0  # 0 = its vector path is built
             and (
                 k_cache.dtype == torch.float32
-                or (k_cache.dtype == torch.bfloat16 and fused_ops._LIBRARIES[torch.bfloat16]() is not None)
+                or (
+                    k_cache.dtype in (torch.bfloat16, torch.int8) and fused_ops._LIBRARIES[torch.bfloat16]() is not None
+                )
             )
             and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         )
@@ -244,7 +248,7 @@ class DecoderStack:
         return (
             self._kernels_unchanged(self._model_ref)
             and fused_ops._LIBRARIES[torch.float32]() is not None
-            and (not self._model.kv_bf16 or fused_ops._LIBRARIES[torch.bfloat16]() is not None)
+            and (not self._model.kv_narrow or fused_ops._LIBRARIES[torch.bfloat16]() is not None)
         )
 
     def refresh(self) -> None:
@@ -332,7 +336,7 @@ class DecoderStack:
         # The decode route may change after the stack is built (attention/routes.py
         # at start-up), and with it the kernel build and its arithmetic bits.
         self._model.attention = _address(self._backend._kernel)
-        self._model.attention_flags = self._backend.decode_bf16_flags if self._model.kv_bf16 else 0
+        self._model.attention_flags = self._backend.decode_flags(self._kv[0][0].dtype)
         out = torch.empty_like(h)
         step = _Step(
             h=h.data_ptr(),

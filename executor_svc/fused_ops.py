@@ -18,6 +18,7 @@ from functools import lru_cache
 
 import torch
 
+from executor_svc import kv_quant
 from executor_svc.native_build import load_library
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "fused_ops.c")
@@ -157,26 +158,41 @@ def _gate(gate_up: torch.Tensor, kernel) -> torch.Tensor | None:
     return out if status == 0 else None
 
 
-def write_kv_bf16(
+def writes_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `write_kv` runs natively for these: a bfloat16 or int8 cache on
+    CPU, keys and values of a dtype with native kernels, unit-stride heads."""
+    return (
+        k_cache.dtype in (torch.bfloat16, torch.int8)
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.device.type == v_cache.device.type == "cpu"
+        and _LIBRARIES[torch.bfloat16]() is not None
+        and available(key, value)
+        and key.stride(2) == value.stride(2) == 1
+    )
+
+
+def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """k_cache/v_cache [blocks, block_size, kv_heads, dim] bfloat16: token t's
-    key/value [tokens, kv_heads, dim] (bfloat16 or float32, rounded as
-    .to(torch.bfloat16) rounds; views with unit-stride heads, as the heads of
-    a fused qkv row) into slot slots[t] (int64), as
-    TorchAttentionBackend.write_kv's index_copy_ does. IndexError for a slot
+    """k_cache/v_cache [blocks, block_size, kv_heads, dim] bfloat16, or int8
+    [.., kv_heads, dim + 4] (kv_quant.py): token t's key/value [tokens,
+    kv_heads, dim] (bfloat16 or float32; rounded as .to(torch.bfloat16)
+    rounds, or quantized as kv_quant.quantize_rows does; views with
+    unit-stride heads, as the heads of a fused qkv row) into slot slots[t]
+    (int64), as TorchAttentionBackend.write_kv does. IndexError for a slot
     outside the cache, before anything is written."""
     tokens, heads, dim = key.shape
+    int8 = k_cache.dtype == torch.int8
     assert value.shape == key.shape and key.stride(2) == value.stride(2) == 1, (
         f"key {tuple(key.shape)} {key.stride()}, value {tuple(value.shape)} {value.stride()}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape, "KV caches"
-    assert k_cache.shape[2:] == (heads, dim) and available(k_cache, v_cache) and available(key, value), (
-        f"KV {key.dtype} {key.device} into {k_cache.dtype} {k_cache.device}"
-    )
+    assert k_cache.shape[2:] == (heads, kv_quant.row_bytes(dim) if int8 else dim)
+    assert writes_kv(key, value, k_cache, v_cache), f"KV {key.dtype} {key.device} into {k_cache.dtype} {k_cache.device}"
     assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,), f"slots {slots.shape}"
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    status = _LIBRARIES[torch.bfloat16]().kv_write_bf16(
+    lib = _LIBRARIES[torch.bfloat16]()
+    status = (lib.kv_write_int8 if int8 else lib.kv_write_bf16)(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         num_slots,

@@ -50,6 +50,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,"
         " int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,"
         " const int64_t *slots, int tokens, int heads, int dim)",
+        "int kv_write_int8(int8_t *k_cache, int8_t *v_cache, int64_t num_slots, const void *k,"
+        " int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,"
+        " const int64_t *slots, int tokens, int heads, int dim)",
     ),
     "native/packed_gemm.c": (
         "int packed_gemm_panel_width(void)",

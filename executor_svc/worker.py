@@ -60,8 +60,8 @@ class Worker:
         self.tp_size = 1 if tp is None else tp.size
         self.device = machine.resolve_device(config.device) if tp is None else tp.device
         self.dtype = machine.resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = (
-            self.dtype if config.kv_cache_dtype == "auto" else machine.resolve_dtype(config.kv_cache_dtype, self.device)
+        self.kv_dtype = {"auto": self.dtype, "int8": torch.int8}.get(config.kv_cache_dtype) or machine.resolve_dtype(
+            config.kv_cache_dtype, self.device
         )
         backend = config.attention_backend
         if backend == "auto":
@@ -140,17 +140,18 @@ class Worker:
         a bf16 cache through the native write."""
         activations = self.model.compute_dtype
         native = self.device.type == "cpu" and fused_ops.available(torch.empty(0, dtype=activations))
+        narrow_kv = self.kv_dtype in (torch.bfloat16, torch.int8)
         kv_native = (
             native
             and self.attn_backend.name == "cpu"
-            and self.kv_dtype == torch.bfloat16
+            and narrow_kv
             and fused_ops.available(torch.empty(0, dtype=torch.bfloat16))
         )
         log.info(
             "elementwise_ops",
             activations=str(activations).removeprefix("torch."),
             fused_ops="native" if native else "torch",
-            bf16_kv_write="native" if kv_native else "torch" if self.kv_dtype == torch.bfloat16 else "n/a",
+            kv_write="native" if kv_native else "torch" if narrow_kv else "n/a",
         )
 
     def _log_gguf_route(self) -> None:

@@ -36,7 +36,9 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=7, logprobs=3)
 
 
-def runner_pair(path: str, dtype: torch.dtype, batch_invariant: bool) -> tuple[ModelRunner, ModelRunner]:
+def runner_pair(
+    path: str, dtype: torch.dtype, batch_invariant: bool, kv_dtype: torch.dtype | None = None
+) -> tuple[ModelRunner, ModelRunner]:
     """(with the stack, without it): two runners over one loaded model and two caches."""
     backend = get_backend("cpu", batch_invariant=batch_invariant)
     loaded = load_model(
@@ -51,7 +53,7 @@ def runner_pair(path: str, dtype: torch.dtype, batch_invariant: bool) -> tuple[M
     )
     runners = []
     for _ in range(2):
-        kv = allocate_kv_caches(loaded.config, 200, BLOCK, dtype, torch.device("cpu"))
+        kv = allocate_kv_caches(loaded.config, 200, BLOCK, kv_dtype or dtype, torch.device("cpu"))
         runners.append(ModelRunner(loaded.model, kv, BLOCK, loaded.config.vocab_size, torch.device("cpu"), backend))
     assert runners[0].stack is not None, "the stack should apply to a CPU model on native kernels"
     runners[1].stack = None
@@ -90,6 +92,19 @@ def test_stack_equals_the_python_layers_bit_for_bit(tiny_gguf, dtype, batch_inva
     work = jobs(320)
     # Budget 48: prompts arrive while others decode, so steps mix prefill
     # chunks and decodes (Python), and decode-only steps run 1-4 rows (the stack).
+    got = as_numbers(PlanDriver(native, BLOCK).run(work, token_budget=48))
+    want = as_numbers(PlanDriver(python, BLOCK).run(work, token_budget=48))
+    assert got == want
+    assert counter.taken >= 8, f"the stack took only {counter.taken} steps"
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "deterministic"])
+def test_stack_over_an_int8_cache_equals_the_python_layers_bit_for_bit(tiny_gguf, batch_invariant):
+    """--kv-cache-dtype int8: the stack writes K/V through kv_write_int8 and
+    attends with the int8 decode kernel, as the Python layers do."""
+    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant, kv_dtype=torch.int8)
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320)
     got = as_numbers(PlanDriver(native, BLOCK).run(work, token_budget=48))
     want = as_numbers(PlanDriver(python, BLOCK).run(work, token_budget=48))
     assert got == want

@@ -196,9 +196,9 @@ def test_kv_write_stores_the_rows_torchs_index_copy_stores(source, monkeypatch):
     written."""
     from executor_svc.attention import get_backend
 
-    native = fused_ops.write_kv_bf16
+    native = fused_ops.write_kv
     calls = []
-    monkeypatch.setattr(fused_ops, "write_kv_bf16", lambda *args: calls.append(args) or native(*args))
+    monkeypatch.setattr(fused_ops, "write_kv", lambda *args: calls.append(args) or native(*args))
     qkv = torch.randn(5, 9 + 2 * 3, 40, generator=torch.Generator().manual_seed(12)).to(source)
     qkv[0, 9, :4] = torch.tensor([1 + 2**-8, 1 + 2**-7 + 2**-8, -(1 + 2**-8), 2**-130])  # ties, a subnormal
     key, value = qkv[:, 9:12], qkv[:, 12:]  # 9 q heads, 3 k heads, 3 v heads

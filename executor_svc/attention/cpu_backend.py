@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc import fused_ops
+from executor_svc import fused_ops, kv_quant
 from executor_svc.attention import native_kernel
 from executor_svc.attention.cpu_step_layout import PrefillItems, plan_step
 from executor_svc.attention.metadata import AttentionMetadata
@@ -32,16 +32,16 @@ _MAX_HEADS = 256  # the kernel's per-item stack arrays (MAX_HEADS in paged_decod
 # VDPBF16PS (emulated where the CPU lacks it); routes.py times them on CPUs
 # with native bf16.
 PREFILL_ROUTES = ("native", "sdpa", "dot")
-# paged_prefill.c's `cache_bf16` bits.
-_PREFILL_BF16, _PREFILL_DOT, _PREFILL_DOT_EMULATED = 1, 2, 4
+# paged_prefill.c's `cache_bf16` bits (PREFILL_INT8: an int8 cache, kv_quant.py).
+_PREFILL_BF16, _PREFILL_DOT, _PREFILL_DOT_EMULATED, _PREFILL_INT8 = 1, 2, 4, 8
 # How the decode kernel multiplies over a bfloat16 cache: K/V widened to
 # float32 for float32 FMAs, or raw bf16 pairs through VDPBF16PS with the
 # queries and probabilities rounded to bf16 (its emulation where the CPU
 # lacks the instruction); routes.py times them on CPUs with it.
 DECODE_ROUTES = ("widen", "dot")
 # paged_decode.c's `bf16` bits: which operands are bfloat16 (else float32),
-# and the dot arithmetic (native or emulated).
-_BF16_KV, _BF16_Q, _BF16_OUT, _BF16_DOT, _BF16_DOT_EMULATED = 1, 2, 4, 8, 16
+# the dot arithmetic (native or emulated), and an int8 cache (kv_quant.py).
+_BF16_KV, _BF16_Q, _BF16_OUT, _BF16_DOT, _BF16_DOT_EMULATED, _KV_INT8 = 1, 2, 4, 8, 16, 32
 
 
 def _kernel_operand(t: torch.Tensor) -> bool:
@@ -113,18 +113,19 @@ class CpuAttentionBackend:
             self.decode_bf16_flags |= _BF16_DOT if native else _BF16_DOT_EMULATED
         self.decode_route = route
 
+    def decode_flags(self, cache_dtype: torch.dtype) -> int:
+        """The decode kernel's bits for a cache of `cache_dtype` (the queries' and
+        output's aside): the decode route's over bfloat16, int8's, none for float32."""
+        return {torch.bfloat16: self.decode_bf16_flags, torch.int8: _KV_INT8}.get(cache_dtype, 0)
+
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         """K/V (bfloat16, or float32 from a widened model or float32 weights)
-        into a bfloat16 cache: one native pass for both, rounding float32 as
-        torch's .to() does, instead of up to four operator calls a layer;
-        a float32 cache through torch's index_copy_."""
-        if (
-            k_cache.dtype == torch.bfloat16
-            and fused_ops.available(k_cache, v_cache)
-            and fused_ops.available(key, value)
-            and key.stride(2) == value.stride(2) == 1
-        ):
-            fused_ops.write_kv_bf16(key, value, k_cache, v_cache, meta.slot_mapping)
+        into a bfloat16 or int8 cache: one native pass for both, rounding
+        float32 as torch's .to() does (or quantizing as kv_quant.py does),
+        instead of up to four operator calls a layer; a float32 cache through
+        torch's index_copy_."""
+        if fused_ops.writes_kv(key, value, k_cache, v_cache):
+            fused_ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         else:
             self._prefills.write_kv(key, value, k_cache, v_cache, meta)
 
@@ -145,15 +146,15 @@ class CpuAttentionBackend:
         assert num_heads % num_kv_heads == 0 and num_heads <= _MAX_HEADS, (
             f"{num_heads} query heads over {num_kv_heads} KV heads is not supported by the native kernels"
         )
-        assert k_cache.shape[3] == head_dim, f"KV cache head_dim {k_cache.shape[3]} for queries of {head_dim}"
+        assert kv_quant.head_dim_of(k_cache) == head_dim, f"KV cache rows {k_cache.shape[3]} for queries of {head_dim}"
         assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
-        assert k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype, (
+        assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.int8) and v_cache.dtype == k_cache.dtype, (
             f"KV cache dtypes {k_cache.dtype}, {v_cache.dtype}"
         )
         if out is None:
             out = query.new_empty(query.shape)
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
-        bf16 = int(k_cache.dtype == torch.bfloat16)
+        bf16, int8 = int(k_cache.dtype == torch.bfloat16), k_cache.dtype == torch.int8
 
         if plan.has_prefills and bf16 and self.prefill_route == "sdpa":
             # By route: SDPA in bfloat16, the gathered K/V as stored and the
@@ -169,7 +170,7 @@ class CpuAttentionBackend:
                 q = q.contiguous()
             direct = out.dtype == torch.float32 and out.stride(2) == 1
             target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-            flags = self._prefill_bf16_flags if bf16 else 0
+            flags = self._prefill_bf16_flags if bf16 else _PREFILL_INT8 if int8 else 0
             prefill_rows = self._native_prefills(plan.prefills, q, k_cache, v_cache, tables, flags, meta, scale, target)
             if prefill_rows is None:  # no native path for this shape or CPU: SDPA
                 out = self._sdpa_prefills(query, k_cache, v_cache, meta, scale, out)
@@ -188,7 +189,7 @@ class CpuAttentionBackend:
         # outputs need no float32 copies; anything else goes through float32.
         dq = query if _kernel_operand(query) else query.to(torch.float32).contiguous()
         dout = out if _kernel_operand(out) else torch.empty(query.shape, dtype=torch.float32)
-        flags = (self.decode_bf16_flags if bf16 else 0) | _BF16_Q * (dq.dtype == torch.bfloat16)
+        flags = self.decode_flags(k_cache.dtype) | _BF16_Q * (dq.dtype == torch.bfloat16)
         flags |= _BF16_OUT * (dout.dtype == torch.bfloat16)
         status = self._kernel(
             dout.data_ptr(),

@@ -158,6 +158,26 @@ def make_batch(
     )
 
 
+def quantized(batch: SyntheticBatch) -> SyntheticBatch:
+    """`batch` over an int8 cache (--kv-cache-dtype int8, kv_quant.py): the
+    cached rows quantized (poisoned rows keep a NaN scale), and the reference
+    K/V the values the cache holds, so that `expected` is exact attention
+    over what a backend reads. The new tokens' K/V stay as given: write_kv
+    quantizes them."""
+    from executor_svc import kv_quant
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        return kv_quant.dequantize_rows(kv_quant.quantize_rows(x), torch.float64)
+
+    return dataclasses.replace(
+        batch,
+        k_cache=kv_quant.quantize_rows(batch.k_cache),
+        v_cache=kv_quant.quantize_rows(batch.v_cache),
+        keys=[stored(k) for k in batch.keys],
+        values=[stored(v) for v in batch.values],
+    )
+
+
 def attend_in_steps(
     backend,
     chunks: list[int],

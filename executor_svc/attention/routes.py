@@ -180,7 +180,7 @@ def _choose(
     build a kernel), or measured among them."""
     default = kind.routes[0]
     if kv_dtype != torch.bfloat16:
-        return default, "float32 cache"
+        return default, f"{str(kv_dtype).removeprefix('torch.')} cache"
     if option != "auto":
         return option, "option"
     if backend.batch_invariant:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor_svc import kv_quant
 from executor_svc.attention.metadata import AttentionMetadata
 
 
@@ -123,10 +124,11 @@ class TorchAttentionBackend:
         meta.extra[self.name] = _TorchStepLayout(groups, prefills, max_rows)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        # .to() is a no-op unless the cache is stored narrower than the model (--kv-cache-dtype).
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
+        for new, cache in ((key, k_cache), (value, v_cache)):
+            # .to() is a no-op unless the cache is stored narrower than the model (--kv-cache-dtype).
+            stored = kv_quant.quantize_rows(new) if kv_quant.is_quantized(cache) else new.to(cache.dtype)
+            cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, stored)
 
     def forward(
         self,
@@ -141,22 +143,22 @@ class TorchAttentionBackend:
         if plan is None:
             raise RuntimeError("TorchAttentionBackend.forward before prepare(meta) for this step")
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
         group = num_heads // num_kv_heads
         if out is None:
             out = query.new_empty(num_tokens, num_heads, head_dim)
-        k_rows = k_cache.view(-1, num_kv_heads * head_dim)
-        v_rows = v_cache.view(-1, num_kv_heads * head_dim)
+        k_rows = k_cache.view(-1, num_kv_heads * row)
+        v_rows = v_cache.view(-1, num_kv_heads * row)
         k_ws, v_ws = self._workspace_for(plan.max_rows, k_rows)
 
         for g in plan.decode_groups:
             n, length, rows = g.tokens.numel(), g.length, g.slots.numel()
             k = torch.index_select(k_rows, 0, g.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, g.slots, out=v_ws[:rows])
-            k = k.view(n, length, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-            v = v.view(n, length, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+            k = _values(k.view(n, length, num_kv_heads, row), query.dtype).transpose(1, 2)
+            v = _values(v.view(n, length, num_kv_heads, row), query.dtype).transpose(1, 2)
             q = query.index_select(0, g.tokens).view(n, num_kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
             out.index_copy_(0, g.tokens, o.reshape(n, num_heads, head_dim))
@@ -165,8 +167,8 @@ class TorchAttentionBackend:
             rows = p.slots.numel()
             k = torch.index_select(k_rows, 0, p.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, p.slots, out=v_ws[:rows])
-            k = k.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
-            v = v.view(1, rows, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)
+            k = _values(k.view(1, rows, num_kv_heads, row), query.dtype).transpose(1, 2)
+            v = _values(v.view(1, rows, num_kv_heads, row), query.dtype).transpose(1, 2)
             q = query[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
@@ -187,6 +189,11 @@ class TorchAttentionBackend:
             ws = like.new_empty(2, max(rows, rows * 5 // 4), like.shape[1])
             self._workspace = ws
         return ws[0], ws[1]
+
+
+def _values(gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as `dtype` values: a cast, or int8 rows dequantized (kv_quant.py)."""
+    return kv_quant.dequantize_rows(gathered, dtype) if kv_quant.is_quantized(gathered) else gathered.to(dtype)
 
 
 def _decode_group(members, starts, seq_lens, tables, block_size) -> _DecodeGroup:

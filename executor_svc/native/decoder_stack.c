@@ -10,8 +10,8 @@
  * same inputs: the outputs are the Python path's bit for bit, which
  * tests/test_decoder_stack.py checks.
  *
- * Scope (decoder_stack.py decides, per step): float32 activations, a float32
- * or bfloat16 KV cache, every linear on a packed route (GGUF or BF16 blocks:
+ * Scope (decoder_stack.py decides, per step): float32 activations, a float32,
+ * bfloat16 or int8 KV cache, every linear on a packed route (GGUF or BF16 blocks:
  * packed_gemm_quant; float32 panels: packed_gemm; the BF16 blocks' dot
  * kernel: packed_gemm_bf16_dot; the Q4_1 blocks' dot kernel:
  * packed_gemm_quant_bf16_dot; int8 activations: packed_gemm_quant_int8),
@@ -42,10 +42,9 @@ typedef void (*rope_fn)(float *x, int64_t ld_tok, int64_t ld_head, const float *
                         int64_t ld_cs, int tokens, int heads, int dim, int num_threads);
 typedef int (*silu_mul_fn)(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter,
                            int num_threads);
-typedef int (*kv_write_bf16_fn)(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const void *k,
-                                int64_t ld_k_tok, int64_t ld_k_head, const void *v, int64_t ld_v_tok,
-                                int64_t ld_v_head, int src_f32, const int64_t *slots, int tokens, int heads,
-                                int dim);
+typedef int (*kv_write_fn)(void *k_cache, void *v_cache, int64_t num_slots, const void *k, int64_t ld_k_tok,
+                           int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,
+                           const int64_t *slots, int tokens, int heads, int dim);
 typedef int (*decode_attention_fn)(void *out, int64_t out_tok_stride, int64_t out_head_stride, const void *q,
                                    int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
                                    const void *v_cache, int bf16, const int32_t *block_tables,
@@ -65,7 +64,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim], float32 or bfloat16 */
+    void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim], float32 or bfloat16; int8 [.., head_dim + 4] */
     ds_linear qkv, o, gate_up, down;
 } ds_layer;
 
@@ -78,11 +77,11 @@ typedef struct {
     rms_norm_fn rms_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
-    kv_write_bf16_fn kv_write_bf16; /* needed with a bfloat16 cache only */
+    kv_write_fn kv_write; /* kv_write_bf16 or kv_write_int8: needed with a bfloat16 or int8 cache only */
     decode_attention_fn attention;
     const float *final_norm;
     int64_t num_layers, hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
-    int64_t kv_bf16;    /* the cache's dtype: 1 bfloat16, 0 float32 */
+    int64_t kv_narrow;  /* 1: a bfloat16 or int8 cache, written by kv_write; 0: float32, copied */
     int64_t attention_flags; /* paged_decode_attention's `bf16` bits: the cache's, and the decode route's */
     int64_t bf16_dot_native; /* the dot kernels' `native` (VDPBF16PS, else its emulation) */
     int64_t num_slots;  /* blocks x block_size */
@@ -189,8 +188,8 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         if (linear(m, &L->qkv, qkv, x, xb, T, QKV, H, threads))
             return -4;
         m->rope(qkv, QKV, D, s->cos, s->sin_signed, D, T, NH + NKV, D, threads);
-        if (m->kv_bf16) {
-            if (m->kv_write_bf16(L->k_cache, L->v_cache, m->num_slots, qkv + Q, QKV, D, qkv + Q + NKV * D, QKV, D,
+        if (m->kv_narrow) {
+            if (m->kv_write(L->k_cache, L->v_cache, m->num_slots, qkv + Q, QKV, D, qkv + Q + NKV * D, QKV, D,
                                  1, s->slots, T, NKV, D))
                 return -4; /* slots were checked above: only a build without AVX-512 refuses */
         } else {
@@ -232,10 +231,10 @@ static const struct {
     SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot), FIELD(ds_model, gemm_int8),
     FIELD(ds_model, gemm_gguf_dot),
     FIELD(ds_model, rms_norm),
-    FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write_bf16), FIELD(ds_model, attention),
+    FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),
     FIELD(ds_model, num_heads), FIELD(ds_model, num_kv_heads), FIELD(ds_model, head_dim),
-    FIELD(ds_model, block_size), FIELD(ds_model, kv_bf16), FIELD(ds_model, attention_flags), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
+    FIELD(ds_model, block_size), FIELD(ds_model, kv_narrow), FIELD(ds_model, attention_flags), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
     FIELD(ds_model, scale),
     SIZE(ds_step), FIELD(ds_step, h), FIELD(ds_step, out), FIELD(ds_step, scratch), FIELD(ds_step, cos),
     FIELD(ds_step, sin_signed), FIELD(ds_step, slots), FIELD(ds_step, block_tables), FIELD(ds_step, seq_lens),

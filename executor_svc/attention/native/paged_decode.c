@@ -6,8 +6,10 @@
  * request's block table and reads every cached K and V row exactly once.
  *
  * Layout (per layer): cache[num_blocks][block_size][num_kv_heads][head_dim],
- * float32 or bfloat16. Token t of request r lives in block
- * block_tables[r][t / block_size] at row t % block_size.
+ * float32 or bfloat16; or, with KV_INT8, [..][num_kv_heads][head_dim + 4]
+ * bytes: each head's row is head_dim int8 values and their float32 scale
+ * (executor_svc/kv_quant.py: value = int8 x scale). Token t of request r
+ * lives in block block_tables[r][t / block_size] at row t % block_size.
  *
  * Decode i reads query row tokens[i], request row seq_index[i] of the block
  * tables and seq_lens, and writes output row out_rows[i].
@@ -45,6 +47,8 @@
 #define BF16_OUT 4
 #define BF16_DOT 8
 #define BF16_DOT_EMULATED 16
+#define KV_INT8 32 /* the caches hold int8 rows with a float32 scale each (not with the other bits) */
+#define INT8_SCALE_BYTES 4 /* kv_quant.SCALE_BYTES */
 
 static inline float widen_bf16(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -89,6 +93,20 @@ static inline const float *token_row(float *scratch, const void *cache, int64_t 
     return scratch;
 }
 
+/* Token `slot`'s row of every KV head from an int8 cache (KV_INT8),
+ * dequantized into `scratch` [num_kv_heads][head_dim]. */
+static inline const float *int8_token_row(float *scratch, const void *cache, int64_t slot, int num_kv_heads,
+                                          int head_dim) {
+    const int64_t stride = head_dim + INT8_SCALE_BYTES;
+    const int8_t *src = (const int8_t *)cache + slot * num_kv_heads * stride;
+    for (int h = 0; h < num_kv_heads; h++, src += stride) {
+        float s;
+        memcpy(&s, src + head_dim, sizeof s);
+        for (int d = 0; d < head_dim; d++) scratch[h * head_dim + d] = (float)src[d] * s;
+    }
+    return scratch;
+}
+
 static int decode_generic(
     void *out, int64_t out_tok_stride, int64_t out_head_stride,
     const void *q, int64_t q_tok_stride, int64_t q_head_stride,
@@ -101,6 +119,7 @@ static int decode_generic(
 {
     const int group = num_heads / num_kv_heads;
     const int cache_bf16 = (bf16 & BF16_KV) != 0, q_bf16 = (bf16 & BF16_Q) != 0, out_bf16 = (bf16 & BF16_OUT) != 0;
+    const int cache_int8 = (bf16 & KV_INT8) != 0;
     const int64_t row_len = (int64_t)num_kv_heads * head_dim;  /* one token's K (or V), all KV heads */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -130,7 +149,8 @@ static int decode_generic(
                  * tokens are contiguous: the reads stream. */
                 for (int t = 0; t < len; t++) {
                     const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                    const float *krow = token_row(row, k_cache, slot * row_len, row_len, cache_bf16);
+                    const float *krow = cache_int8 ? int8_token_row(row, k_cache, slot, num_kv_heads, head_dim)
+                                                 : token_row(row, k_cache, slot * row_len, row_len, cache_bf16);
                     for (int h = 0; h < num_heads; h++) {
                         const float *qh = qv + h * head_dim, *kh = krow + (h / group) * head_dim;
                         float s = 0.f;
@@ -149,7 +169,8 @@ static int decode_generic(
                 memset(acc, 0, sizeof(float) * hd);
                 for (int t = 0; t < len; t++) {
                     const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                    const float *vrow = token_row(row, v_cache, slot * row_len, row_len, cache_bf16);
+                    const float *vrow = cache_int8 ? int8_token_row(row, v_cache, slot, num_kv_heads, head_dim)
+                                                 : token_row(row, v_cache, slot * row_len, row_len, cache_bf16);
                     for (int h = 0; h < num_heads; h++) {
                         const float p = scores[(size_t)h * max_seq_len + t];
                         const float *vh = vrow + (h / group) * head_dim;
@@ -366,6 +387,13 @@ typedef void (*decode_fn)(float *, int64_t, const float *, int64_t, const void *
 static const decode_fn DECODE_FNS[8][2][2] = {GROUP(1), GROUP(2), GROUP(3), GROUP(4),
                                               GROUP(5), GROUP(6), GROUP(7), GROUP(8)};
 
+/* The int8 cache's instances (decode_int8.h): its integer dot products need
+ * AVX-512BW, which every AVX-512 server CPU but the first Xeon Phis has. */
+#ifdef __AVX512BW__
+#define HAVE_INT8 1
+#include "decode_int8.h"
+#endif
+
 /* The bf16 dot-product instances (decode_dot.h), in the build made with
  * -DPAGED_DECODE_DOT only (they double the compile time, and only the "dot"
  * decode route uses them): emulated, and with VDPBF16PS where the compiler
@@ -398,6 +426,13 @@ static decode_fn fast_path(int group, int head_dim, int bf16) {
     if (group < 1 || group > 8 || (head_dim != 64 && head_dim != 128))
         return NULL;
     const int wide = head_dim == 128;
+    if (bf16 & KV_INT8) {
+#ifdef HAVE_INT8
+        return bf16 & (BF16_KV | BF16_DOT | BF16_DOT_EMULATED) ? NULL : DECODE_FNS_int8[group - 1][wide];
+#else
+        return NULL;
+#endif
+    }
     if (!(bf16 & (BF16_DOT | BF16_DOT_EMULATED)))
         return DECODE_FNS[group - 1][wide][(bf16 & BF16_KV) != 0];
     if (!(bf16 & BF16_KV))
@@ -449,7 +484,7 @@ int paged_decode_attention(
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
     const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, bf16);
     if (fn != NULL) {
-        const int64_t row_len = (int64_t)num_kv_heads * head_dim;
+        const int64_t row_len = (int64_t)num_kv_heads * (bf16 & KV_INT8 ? head_dim + INT8_SCALE_BYTES : head_dim);
         /* Work item = (decode, all its KV heads) when there are enough decodes
          * to share out: each token's row is then read whole, front to back,
          * which the hardware prefetcher streams. Few decodes: (decode, KV

@@ -45,6 +45,11 @@
 #define PREFILL_BF16 1
 #define PREFILL_DOT 2
 #define PREFILL_DOT_EMULATED 4
+/* An int8 cache (--kv-cache-dtype int8): rows of head_dim int8 values and a
+ * float32 scale per KV head (kv_quant.py), dequantized per chunk as bfloat16
+ * rows are widened; not with the other bits. */
+#define PREFILL_INT8 8
+#define INT8_SCALE_BYTES 4 /* kv_quant.SCALE_BYTES */
 #define MAX_G 8 /* query heads per KV head */
 #define MAX_ROWS (QB * MAX_G)
 
@@ -184,6 +189,22 @@ static inline void widen_rows(float *dst, const uint16_t *cache, const int64_t *
     }
 }
 
+/* int8 rows (PREFILL_INT8: head_dim values, then their float32 scale)
+ * dequantized into a float32 buffer [16][D]: value = int8 x scale. */
+static inline void dequant_rows(float *dst, const int8_t *cache, const int64_t *rows, int64_t off, int D)
+{
+    for (int j = 0; j < CHUNK; j++) {
+        const int8_t *src = cache + rows[j] + off;
+        float s;
+        memcpy(&s, src + D, sizeof s);
+        const __m512 scale = _mm512_set1_ps(s);
+        for (int d = 0; d < D; d += 16) {
+            const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+            _mm512_storeu_ps(dst + j * D + d, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), scale));
+        }
+    }
+}
+
 static inline void copy_rows(float *dst, const float *cache, const int64_t *rows, int64_t off, int D)
 {
     for (int j = 0; j < CHUNK; j++)
@@ -257,7 +278,8 @@ static inline __attribute__((always_inline)) void prefill_item(
     __m512 m[MAX_ROWS / 16], l[MAX_ROWS / 16], pos[MAX_ROWS / 16];
     item_positions(rows, groups, count, pos0, G, m, l, pos);
     const int len = pos0 + count; /* keys 0 .. last query position */
-    const int64_t off = (int64_t)kv * D;
+    const int int8 = (bf16 & PREFILL_INT8) != 0;
+    const int64_t off = (int64_t)kv * (int8 ? D + INT8_SCALE_BYTES : D);
     int64_t krows[CHUNK];
     for (int k0 = 0; k0 < len; k0 += CHUNK) {
         const int n = chunk_rows(krows, table, k0, len, block_size, row_len);
@@ -275,6 +297,9 @@ static inline __attribute__((always_inline)) void prefill_item(
             kp = (const float *)k_cache + krows[0] + off;
             vp = (const float *)v_cache + krows[0] + off;
             ks = row_len;
+        } else if (int8) {
+            dequant_rows(kbuf, (const int8_t *)k_cache, krows, off, D);
+            dequant_rows(vbuf, (const int8_t *)v_cache, krows, off, D);
         } else if (bf16) {
             widen_rows(kbuf, (const uint16_t *)k_cache, krows, off, D);
             widen_rows(vbuf, (const uint16_t *)v_cache, krows, off, D);
@@ -413,7 +438,9 @@ int paged_prefill_attention(
     const item_fn dot_fn = dot && (cache_bf16 & PREFILL_BF16) ? dot_item(cache_bf16, head_dim) : NULL;
     if (dot && dot_fn == NULL)
         return -4;
-    const int64_t row_len = (int64_t)num_kv_heads * head_dim;
+    if ((cache_bf16 & PREFILL_INT8) && (cache_bf16 & ~PREFILL_INT8))
+        return -1;
+    const int64_t row_len = (int64_t)num_kv_heads * (cache_bf16 & PREFILL_INT8 ? head_dim + INT8_SCALE_BYTES : head_dim);
     const size_t scratch_floats = 2 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)

@@ -1,0 +1,62 @@
+"""The int8 KV cache (--kv-cache-dtype int8): layout, and the reference
+quantization in torch.
+
+Decode attention reads every cached K/V byte of every request at every step,
+so at large batches it is bound by memory bandwidth (docs/benchmarks.md);
+bfloat16 K/V are 2 bytes a value. Stored as int8 with one float32 scale per
+token and KV head, they are 1 + 4 / head_dim bytes a value: a block holds
+1.88x the tokens of a bf16 one at head_dim 64, and a decode step reads that
+much less. The kernels dequantize as they read (attention/native/kv_int8.h).
+
+Layout: the cache tensors are int8 [num_blocks, block_size, num_kv_heads,
+head_dim + SCALE_BYTES]; each (token, KV head) row is head_dim int8 values q
+and then the float32 scale s (native byte order), value = q * s, with
+
+    s = max|x| / 127,    q = round_half_even(x * (127 / max|x|))
+
+over the row's float32 values x (a row of zeros: s = 0, q = 0; a row with a
+NaN: s = NaN, q = 0 there). The relative error of a value is at most
+1/254 of its row's largest magnitude. native/fused_ops_bf16.c's
+kv_write_int8 computes the same formula op for op, and
+tests/test_kv_int8.py checks the two write the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 4  # one float32 per (token, KV head) row
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def row_bytes(head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of an int8 cache."""
+    return head_dim + SCALE_BYTES
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head_dim of a cache tensor [blocks, block_size, kv_heads, last] of any storage dtype."""
+    return cache.shape[-1] - SCALE_BYTES if is_quantized(cache) else cache.shape[-1]
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] (any float dtype) -> int8 [..., head_dim + SCALE_BYTES] rows."""
+    x = x.to(torch.float32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    levels = amax.new_full((), 127.0)
+    # Divisions of tensors, as C divides: torch computes `127.0 / amax` as 127 x (1 / amax).
+    scale = amax / levels
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    q = torch.nan_to_num(torch.round(x * inv), nan=0.0, posinf=0.0, neginf=0.0).clamp_(-127, 127)
+    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8 rows [..., head_dim + SCALE_BYTES] -> values [..., head_dim] in `dtype` (computed in float32,
+    or float64 when asked for: a reference's)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32).to(wide)
+    return (rows[..., :-SCALE_BYTES].to(wide) * scale).to(dtype)
