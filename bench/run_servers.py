@@ -33,9 +33,12 @@ class EngineFlags:
     prefix_caching: bool = True
     overlap_scheduling: bool = True
     deterministic: bool = False
+    kv_cache_dtype: str | None = None
 
     def executor_args(self) -> list[str]:
         args = ["--dtype", self.dtype, "--num-threads", str(self.num_threads)]
+        if self.kv_cache_dtype is not None:
+            args += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.deterministic:
             args.append("--deterministic")
         if self.kv_cache_gib is not None:

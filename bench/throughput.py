@@ -1,6 +1,7 @@
 """Offline throughput: N requests submitted at once, timed until the last one finishes.
 
     python -m bench throughput [--baseline hf] [--dtype float32[,bfloat16]] [--repeats 3] [--deterministic both]
+        [--kv-cache-dtype int8]
 
 Reports requests/s, output tokens/s and total (prompt + output) tokens/s. With
 `--baseline hf` the same requests also run through Hugging Face `generate` in
@@ -52,6 +53,12 @@ def add_args(p) -> None:
     )
     p.add_argument(
         "--no-overlap-scheduling", action="store_true", help="start PagedServe's scheduler with --no-overlap-scheduling"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8"),
+        default=None,
+        help="the executor's --kv-cache-dtype (unset: its default, auto)",
     )
     p.add_argument(
         "--deterministic",
@@ -279,6 +286,7 @@ def main(args, argv: list[str]) -> dict:
             dtype=dt,
             num_threads=args.num_threads,
             kv_cache_gib=args.kv_cache_gib,
+            kv_cache_dtype=args.kv_cache_dtype,
             overlap_scheduling=not args.no_overlap_scheduling,
             deterministic=deterministic,
         )

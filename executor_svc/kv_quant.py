@@ -15,8 +15,11 @@ and then the float32 scale s (native byte order), value = q * s, with
     s = max|x| / 127,    q = round_half_even(x * (127 / max|x|))
 
 over the row's float32 values x (a row of zeros: s = 0, q = 0; a row with a
-NaN: s = NaN, q = 0 there). The relative error of a value is at most
-1/254 of its row's largest magnitude. native/fused_ops_bf16.c's
+NaN: s = NaN, q = 0 there). The error of a value is at most 1/254 of its
+row's largest magnitude. Keys whose head_dim is a power of two are stored
+rotated, x = fwht(k) (native/hadamard.h says why: a few outlier channels
+would otherwise set every row's scale), and the kernels rotate each query
+to meet them: q.k = fwht(q).fwht(k). Values are stored as they are. native/fused_ops_bf16.c's
 kv_write_int8 computes the same formula op for op, and
 tests/test_kv_int8.py checks the two write the same bytes.
 """
@@ -42,9 +45,31 @@ def head_dim_of(cache: torch.Tensor) -> int:
     return cache.shape[-1] - SCALE_BYTES if is_quantized(cache) else cache.shape[-1]
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., head_dim] (any float dtype) -> int8 [..., head_dim + SCALE_BYTES] rows."""
+def rotates(head_dim: int) -> bool:
+    """Whether keys of this head_dim are stored rotated (fwht): a power of two."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """The normalized Walsh-Hadamard transform over the last dim (a power of
+    two), float32: native/hadamard.h's butterflies in its order, then its
+    scale, so that both give the same bits. Its own inverse."""
+    n = x.shape[-1]
+    assert rotates(n), f"fwht over {n} values"
     x = x.to(torch.float32)
+    h = 1
+    while h < n:
+        pairs = x.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*x.shape[:-1], n)
+        h *= 2
+    return x * (torch.ones((), dtype=torch.float32) / torch.tensor(float(n)).sqrt())
+
+
+def quantize_rows(x: torch.Tensor, keys: bool = False) -> torch.Tensor:
+    """x [..., head_dim] (any float dtype) -> int8 [..., head_dim + SCALE_BYTES]
+    rows; `keys` are rotated first where `rotates(head_dim)`."""
+    x = fwht(x) if keys and rotates(x.shape[-1]) else x.to(torch.float32)
     amax = x.abs().amax(dim=-1, keepdim=True)
     levels = amax.new_full((), 127.0)
     # Divisions of tensors, as C divides: torch computes `127.0 / amax` as 127 x (1 / amax).
@@ -54,9 +79,21 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8 rows [..., head_dim + SCALE_BYTES] -> values [..., head_dim] in `dtype` (computed in float32,
-    or float64 when asked for: a reference's)."""
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32, keys: bool = False) -> torch.Tensor:
+    """int8 rows [..., head_dim + SCALE_BYTES] -> values [..., head_dim] in
+    `dtype` (computed in float32, or float64 when asked for: a reference's);
+    `keys` rotated back where they were stored rotated."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32).to(wide)
-    return (rows[..., :-SCALE_BYTES].to(wide) * scale).to(dtype)
+    values = rows[..., :-SCALE_BYTES].to(wide) * scale
+    if keys and rotates(values.shape[-1]):
+        # fwht is its own inverse; a float64 reference's, exactly.
+        values = fwht(values) if wide == torch.float32 else values @ _hadamard64(values.shape[-1])
+    return values.to(dtype)
+
+
+def _hadamard64(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5

@@ -166,15 +166,15 @@ def quantized(batch: SyntheticBatch) -> SyntheticBatch:
     quantizes them."""
     from executor_svc import kv_quant
 
-    def stored(x: torch.Tensor) -> torch.Tensor:
-        return kv_quant.dequantize_rows(kv_quant.quantize_rows(x), torch.float64)
+    def stored(x: torch.Tensor, keys: bool) -> torch.Tensor:
+        return kv_quant.dequantize_rows(kv_quant.quantize_rows(x, keys), torch.float64, keys)
 
     return dataclasses.replace(
         batch,
-        k_cache=kv_quant.quantize_rows(batch.k_cache),
+        k_cache=kv_quant.quantize_rows(batch.k_cache, keys=True),
         v_cache=kv_quant.quantize_rows(batch.v_cache),
-        keys=[stored(k) for k in batch.keys],
-        values=[stored(v) for v in batch.values],
+        keys=[stored(k, True) for k in batch.keys],
+        values=[stored(v, False) for v in batch.values],
     )
 
 

@@ -125,9 +125,9 @@ class TorchAttentionBackend:
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
-        for new, cache in ((key, k_cache), (value, v_cache)):
+        for new, cache, keys in ((key, k_cache, True), (value, v_cache, False)):
             # .to() is a no-op unless the cache is stored narrower than the model (--kv-cache-dtype).
-            stored = kv_quant.quantize_rows(new) if kv_quant.is_quantized(cache) else new.to(cache.dtype)
+            stored = kv_quant.quantize_rows(new, keys) if kv_quant.is_quantized(cache) else new.to(cache.dtype)
             cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, stored)
 
     def forward(
@@ -157,7 +157,7 @@ class TorchAttentionBackend:
             n, length, rows = g.tokens.numel(), g.length, g.slots.numel()
             k = torch.index_select(k_rows, 0, g.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, g.slots, out=v_ws[:rows])
-            k = _values(k.view(n, length, num_kv_heads, row), query.dtype).transpose(1, 2)
+            k = _values(k.view(n, length, num_kv_heads, row), query.dtype, keys=True).transpose(1, 2)
             v = _values(v.view(n, length, num_kv_heads, row), query.dtype).transpose(1, 2)
             q = query.index_select(0, g.tokens).view(n, num_kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
@@ -167,7 +167,7 @@ class TorchAttentionBackend:
             rows = p.slots.numel()
             k = torch.index_select(k_rows, 0, p.slots, out=k_ws[:rows])
             v = torch.index_select(v_rows, 0, p.slots, out=v_ws[:rows])
-            k = _values(k.view(1, rows, num_kv_heads, row), query.dtype).transpose(1, 2)
+            k = _values(k.view(1, rows, num_kv_heads, row), query.dtype, keys=True).transpose(1, 2)
             v = _values(v.view(1, rows, num_kv_heads, row), query.dtype).transpose(1, 2)
             q = query[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
             o = F.scaled_dot_product_attention(
@@ -191,9 +191,11 @@ class TorchAttentionBackend:
         return ws[0], ws[1]
 
 
-def _values(gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _values(gathered: torch.Tensor, dtype: torch.dtype, keys: bool = False) -> torch.Tensor:
     """Gathered cache rows as `dtype` values: a cast, or int8 rows dequantized (kv_quant.py)."""
-    return kv_quant.dequantize_rows(gathered, dtype) if kv_quant.is_quantized(gathered) else gathered.to(dtype)
+    if kv_quant.is_quantized(gathered):
+        return kv_quant.dequantize_rows(gathered, dtype, keys)
+    return gathered.to(dtype)
 
 
 def _decode_group(members, starts, seq_lens, tables, block_size) -> _DecodeGroup:

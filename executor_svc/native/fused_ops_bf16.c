@@ -29,6 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "hadamard.h"
 
 /* Rows per thread below which a parallel region costs more than it saves. */
 #define MIN_ROWS_PER_THREAD 8
@@ -206,13 +207,6 @@ int kv_write_bf16(uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots, const
     return 0;
 }
 
-/* One row of n values (bfloat16, or float32 with src_f32) quantized into an
- * int8 cache row: n int8 values and their float32 scale after them,
- * value = int8 x scale, scale = max|x| / 127, int8 = round-half-even(x x
- * 127 / max|x|), the formula executor_svc/kv_quant.py's quantize_rows
- * computes in torch, op for op, so both write the same bytes. A row with a
- * NaN gets a NaN scale (attention over it is NaN, as it would be over the
- * values themselves); a row of zeros, scale 0. */
 static inline float widen_bf16_scalar(uint16_t h)
 {
     const uint32_t bits = (uint32_t)h << 16;
@@ -221,26 +215,38 @@ static inline float widen_bf16_scalar(uint16_t h)
     return f;
 }
 
-static void row_to_int8(int8_t *dst, const void *src, int n, int src_f32)
+/* One row of n values (bfloat16, or float32 with src_f32) quantized into an
+ * int8 cache row: n int8 values and their float32 scale after them,
+ * value = int8 x scale, scale = max|x| / 127, int8 = round-half-even(x x
+ * 127 / max|x|), over x = the row, or its normalized Walsh-Hadamard
+ * transform with `rotate` (keys, n a power of two: hadamard.h): the formula
+ * executor_svc/kv_quant.py's quantize_rows computes in torch, op for op, so
+ * both write the same bytes. A row with a NaN gets a NaN scale (attention
+ * over it is NaN, as it would be over the values themselves); a row of
+ * zeros, scale 0. */
+static void row_to_int8(int8_t *dst, const void *src, int n, int src_f32, int rotate)
 {
-    const float *f = src;
-    const uint16_t *b = src;
+    float x[n];
+    for (int i = 0; i < n; i++) x[i] = src_f32 ? ((const float *)src)[i] : widen_bf16_scalar(((const uint16_t *)src)[i]);
+    if (rotate)
+        fwht_normalized(x, n);
     float amax = 0.f;
     for (int i = 0; i < n; i++) {
-        const float a = fabsf(src_f32 ? f[i] : widen_bf16_scalar(b[i]));
+        const float a = fabsf(x[i]);
         amax = a != a || amax != amax ? NAN : a > amax ? a : amax;
     }
     const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     for (int i = 0; i < n; i++) {
-        const float r = nearbyintf((src_f32 ? f[i] : widen_bf16_scalar(b[i])) * inv);
+        const float r = nearbyintf(x[i] * inv);
         dst[i] = (int8_t)(r != r ? 0.f : r > 127.f ? 127.f : r < -127.f ? -127.f : r);
     }
     memcpy(dst + n, &scale, sizeof scale);
 }
 
 /* kv_write_bf16's write into an int8 cache (--kv-cache-dtype int8): rows of
- * heads x (dim + 4) bytes, each head's row quantized by row_to_int8. Returns
- * -2, writing nothing, if a slot lies outside [0, num_slots). */
+ * heads x (dim + 4) bytes, each head's row quantized by row_to_int8, the
+ * keys rotated where dim is a power of two. Returns -2, writing nothing, if
+ * a slot lies outside [0, num_slots). */
 int kv_write_int8(int8_t *k_cache, int8_t *v_cache, int64_t num_slots, const void *k, int64_t ld_k_tok,
                   int64_t ld_k_head, const void *v, int64_t ld_v_tok, int64_t ld_v_head, int src_f32,
                   const int64_t *slots, int tokens, int heads, int dim)
@@ -249,12 +255,13 @@ int kv_write_int8(int8_t *k_cache, int8_t *v_cache, int64_t num_slots, const voi
         if (slots[t] < 0 || slots[t] >= num_slots)
             return -2;
     const int64_t size = src_f32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t), row = dim + 4;
+    const int rotate = is_power_of_two(dim);
     const char *kb = k, *vb = v;
     for (int t = 0; t < tokens; t++) {
         int8_t *kc = k_cache + slots[t] * heads * row, *vc = v_cache + slots[t] * heads * row;
         for (int h = 0; h < heads; h++) {
-            row_to_int8(kc + h * row, kb + (t * ld_k_tok + h * ld_k_head) * size, dim, src_f32);
-            row_to_int8(vc + h * row, vb + (t * ld_v_tok + h * ld_v_head) * size, dim, src_f32);
+            row_to_int8(kc + h * row, kb + (t * ld_k_tok + h * ld_k_head) * size, dim, src_f32, rotate);
+            row_to_int8(vc + h * row, vb + (t * ld_v_tok + h * ld_v_head) * size, dim, src_f32, 0);
         }
     }
     return 0;

@@ -7,8 +7,10 @@
  * bound at ~16 GB/s, 1.2x faster than bf16 instead of ~2x
  * (docs/optimization_log.md). Here:
  *
- *   Q.K  integer dot products: each query head is rounded once per decode
- *        to int16 (q16 = round(q x 32767 / max|q|), an error of 1/65534 of
+ *   Q.K  integer dot products: each query head is rotated as the keys were
+ *        stored (kv_quant.py: the normalized Walsh-Hadamard transform,
+ *        hadamard.h; head_dim 64 and 128 are powers of two) and rounded once
+ *        per decode to int16 (q16 = round(q x 32767 / max|q|), an error of 1/65534 of
  *        max|q|, far below the keys' own quantization error), each 32-byte
  *        line of a key row is sign-extended to 32 int16 (one VPMOVSXBW)
  *        and multiplied in pairs into int32 lanes (VPDPWSSD with
@@ -40,7 +42,10 @@ static inline __attribute__((always_inline)) void decode_int8_heads(
     __m512 l[MAX_ITEM_HEADS]; /* lane-wise running sums, added up once at the end */
     __m512 acc_mem[MAX_ITEM_HEADS][8];
     for (int hh = 0; hh < kv_count * G; hh++) {
-        const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
+        /* Rotated to meet the rotated keys (kv_quant.py, hadamard.h). */
+        float src[128];
+        memcpy(src, q + (int64_t)(kv_first * G + hh) * q_head_stride, sizeof(float) * D);
+        fwht_normalized(src, D);
         float amax = 0.f;
         for (int d = 0; d < D; d++) {
             const float a = fabsf(src[d]);

@@ -49,6 +49,7 @@
 #define BF16_DOT_EMULATED 16
 #define KV_INT8 32 /* the caches hold int8 rows with a float32 scale each (not with the other bits) */
 #define INT8_SCALE_BYTES 4 /* kv_quant.SCALE_BYTES */
+#include "../../native/hadamard.h"
 
 static inline float widen_bf16(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -141,6 +142,8 @@ static int decode_generic(
                 for (int h = 0; h < num_heads; h++) {
                     const int64_t src = tokens[i] * q_tok_stride + (int64_t)h * q_head_stride;
                     for (int d = 0; d < head_dim; d++) qv[h * head_dim + d] = load_value(q, src + d, q_bf16) * scale;
+                    if (cache_int8 && is_power_of_two(head_dim))  /* to meet the keys, stored rotated */
+                        fwht_normalized(qv + h * head_dim, head_dim);
                 }
                 float maxs[MAX_HEADS], sums[MAX_HEADS];
                 for (int h = 0; h < num_heads; h++) maxs[h] = -INFINITY;

@@ -50,6 +50,7 @@
  * rows are widened; not with the other bits. */
 #define PREFILL_INT8 8
 #define INT8_SCALE_BYTES 4 /* kv_quant.SCALE_BYTES */
+#include "../../native/hadamard.h"
 #define MAX_G 8 /* query heads per KV head */
 #define MAX_ROWS (QB * MAX_G)
 
@@ -256,6 +257,8 @@ static inline __attribute__((always_inline)) void prefill_item(
 {
     const int rows = count * G, rv = (rows + 15) / 16 * 16, groups = rv / 16;
     float *qt = scratch, *ot = qt + (int64_t)D * rv, *kbuf = ot + (int64_t)D * rv, *vbuf = kbuf + CHUNK * D;
+    float *qrot = vbuf + CHUNK * D; /* [rows][D]: an int8 cache's queries, rotated to meet its keys */
+    const int int8 = (bf16 & PREFILL_INT8) != 0;
     /* qt = the scaled queries transposed (rows into lanes), 16 x 16 tiles at a
      * time in registers; padding rows are zeros. */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -264,6 +267,11 @@ static inline __attribute__((always_inline)) void prefill_item(
         for (int i = 0; i < 16; i++) {
             const int r = g * 16 + i;
             src[i] = r < rows ? q + (int64_t)(r / G) * q_tok + (int64_t)(kv * G + r % G) * q_head : NULL;
+            if (int8 && src[i] != NULL) {
+                memcpy(qrot + (int64_t)r * D, src[i], sizeof(float) * D);
+                fwht_normalized(qrot + (int64_t)r * D, D);
+                src[i] = qrot + (int64_t)r * D;
+            }
         }
         for (int d0 = 0; d0 < D; d0 += 16) {
             __m512 t[16];
@@ -278,7 +286,6 @@ static inline __attribute__((always_inline)) void prefill_item(
     __m512 m[MAX_ROWS / 16], l[MAX_ROWS / 16], pos[MAX_ROWS / 16];
     item_positions(rows, groups, count, pos0, G, m, l, pos);
     const int len = pos0 + count; /* keys 0 .. last query position */
-    const int int8 = (bf16 & PREFILL_INT8) != 0;
     const int64_t off = (int64_t)kv * (int8 ? D + INT8_SCALE_BYTES : D);
     int64_t krows[CHUNK];
     for (int k0 = 0; k0 < len; k0 += CHUNK) {
@@ -441,7 +448,7 @@ int paged_prefill_attention(
     if ((cache_bf16 & PREFILL_INT8) && (cache_bf16 & ~PREFILL_INT8))
         return -1;
     const int64_t row_len = (int64_t)num_kv_heads * (cache_bf16 & PREFILL_INT8 ? head_dim + INT8_SCALE_BYTES : head_dim);
-    const size_t scratch_floats = 2 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
+    const size_t scratch_floats = 3 * (size_t)head_dim * MAX_ROWS + 2 * CHUNK * (size_t)head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
