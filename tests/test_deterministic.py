@@ -35,12 +35,12 @@ GREEDY = SamplingParams(temperature=0.0, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=1234, logprobs=2)
 
 
-def make_runner(path: str, dtype: torch.dtype) -> ModelRunner:
+def make_runner(path: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> ModelRunner:
     backend = get_backend("cpu", batch_invariant=True)
     loaded = load_model(
         path, dtype, "cpu", backend, with_tokenizer=False, packed_gemm=True, gguf_blocks=True, batch_invariant=True
     )
-    kv = allocate_kv_caches(loaded.config, 600, BLOCK, dtype, torch.device("cpu"))
+    kv = allocate_kv_caches(loaded.config, 600, BLOCK, kv_dtype or dtype, torch.device("cpu"))
     return ModelRunner(loaded.model, kv, BLOCK, loaded.config.vocab_size, torch.device("cpu"), backend)
 
 
@@ -61,9 +61,13 @@ def as_numbers(out) -> dict:
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_outputs_are_bit_identical_whatever_the_batch_chunking_prefix_preemption_or_threads(tiny_gguf, dtype):
-    driver = PlanDriver(make_runner(tiny_gguf, dtype), BLOCK)
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)],
+    ids=["float32", "bfloat16", "bfloat16-int8-kv"],
+)
+def test_outputs_are_bit_identical_whatever_the_batch_chunking_prefix_preemption_or_threads(tiny_gguf, dtype, kv_dtype):
+    driver = PlanDriver(make_runner(tiny_gguf, dtype, kv_dtype), BLOCK)
     alone = {}
     for job in jobs():
         alone.update(as_numbers(driver.run([job])))

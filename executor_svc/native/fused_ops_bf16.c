@@ -243,6 +243,64 @@ static void row_to_int8(int8_t *dst, const void *src, int n, int src_f32, int ro
     memcpy(dst + n, &scale, sizeof scale);
 }
 
+#ifdef __AVX512F__
+/* row_to_int8 for n a multiple of 16 up to 256, in registers: the same
+ * operations on the same values, so the same bytes (tests/test_kv_int8.py
+ * compares both with kv_quant.py). The Walsh-Hadamard butterflies within a
+ * vector pair lane j with lane j ^ h: the lower lane's a + b is the swapped
+ * value plus its own, the upper lane's a - b the swapped value minus its own
+ * (an FMA by -1: the product is exact, so one rounding, as the subtraction). */
+static void row_to_int8_avx512(int8_t *dst, const void *src, int n, int src_f32, int rotate)
+{
+    __m512 x[16];
+    const int nv = n / 16;
+    for (int v = 0; v < nv; v++)
+        x[v] = src_f32 ? _mm512_loadu_ps((const float *)src + 16 * v)
+                       : bf16_widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + 16 * v)));
+    if (rotate) {
+        for (int h = 1; h < 16 && h < n; h *= 2) {
+            const __m512 sign = _mm512_castsi512_ps(_mm512_setr_epi32(
+                (0 & h) ? 0xBF800000 : 0x3F800000, (1 & h) ? 0xBF800000 : 0x3F800000, (2 & h) ? 0xBF800000 : 0x3F800000,
+                (3 & h) ? 0xBF800000 : 0x3F800000, (4 & h) ? 0xBF800000 : 0x3F800000, (5 & h) ? 0xBF800000 : 0x3F800000,
+                (6 & h) ? 0xBF800000 : 0x3F800000, (7 & h) ? 0xBF800000 : 0x3F800000, (8 & h) ? 0xBF800000 : 0x3F800000,
+                (9 & h) ? 0xBF800000 : 0x3F800000, (10 & h) ? 0xBF800000 : 0x3F800000,
+                (11 & h) ? 0xBF800000 : 0x3F800000, (12 & h) ? 0xBF800000 : 0x3F800000,
+                (13 & h) ? 0xBF800000 : 0x3F800000, (14 & h) ? 0xBF800000 : 0x3F800000,
+                (15 & h) ? 0xBF800000 : 0x3F800000));
+            const __m512i swap = _mm512_setr_epi32(0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h, 9 ^ h,
+                                                   10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h);
+            for (int v = 0; v < nv; v++)
+                x[v] = _mm512_fmadd_ps(x[v], sign, _mm512_permutexvar_ps(swap, x[v]));
+        }
+        for (int h = 1; h < nv; h *= 2)
+            for (int i = 0; i < nv; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const __m512 a = x[j], b = x[j + h];
+                    x[j] = _mm512_add_ps(a, b);
+                    x[j + h] = _mm512_sub_ps(a, b);
+                }
+        const __m512 s = _mm512_set1_ps(1.f / sqrtf((float)n));
+        for (int v = 0; v < nv; v++) x[v] = _mm512_mul_ps(x[v], s);
+    }
+    __m512 amax_v = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int v = 0; v < nv; v++) {
+        nan |= _mm512_cmp_ps_mask(x[v], x[v], _CMP_UNORD_Q);
+        amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(x[v]));
+    }
+    const float amax = nan ? NAN : _mm512_reduce_max_ps(amax_v);
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    for (int v = 0; v < nv; v++) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(x[v], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __mmask16 ok = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_maskz_mov_ps(ok, _mm512_min_ps(_mm512_max_ps(r, lo), hi)));
+        _mm_storeu_si128((__m128i *)(dst + 16 * v), _mm512_cvtepi32_epi8(q));
+    }
+    memcpy(dst + n, &scale, sizeof scale);
+}
+#endif
+
 /* kv_write_bf16's write into an int8 cache (--kv-cache-dtype int8): rows of
  * heads x (dim + 4) bytes, each head's row quantized by row_to_int8, the
  * keys rotated where dim is a power of two. Returns -2, writing nothing, if
@@ -256,12 +314,17 @@ int kv_write_int8(int8_t *k_cache, int8_t *v_cache, int64_t num_slots, const voi
             return -2;
     const int64_t size = src_f32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t), row = dim + 4;
     const int rotate = is_power_of_two(dim);
+    void (*quantize)(int8_t *, const void *, int, int, int) = row_to_int8;
+#ifdef __AVX512F__
+    if (dim % 16 == 0 && dim <= 256)
+        quantize = row_to_int8_avx512;
+#endif
     const char *kb = k, *vb = v;
     for (int t = 0; t < tokens; t++) {
         int8_t *kc = k_cache + slots[t] * heads * row, *vc = v_cache + slots[t] * heads * row;
         for (int h = 0; h < heads; h++) {
-            row_to_int8(kc + h * row, kb + (t * ld_k_tok + h * ld_k_head) * size, dim, src_f32, rotate);
-            row_to_int8(vc + h * row, vb + (t * ld_v_tok + h * ld_v_head) * size, dim, src_f32, 0);
+            quantize(kc + h * row, kb + (t * ld_k_tok + h * ld_k_head) * size, dim, src_f32, rotate);
+            quantize(vc + h * row, vb + (t * ld_v_tok + h * ld_v_head) * size, dim, src_f32, 0);
         }
     }
     return 0;
