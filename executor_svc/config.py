@@ -44,7 +44,8 @@ class ExecutorConfig:
         help="KV cache storage dtype (auto = the model's). bfloat16 with float32 weights halves the bytes "
         "decode attention reads, at bf16 rounding of K/V. int8 (cpu and torch attention backends): one byte "
         "a value and a float32 scale per token and KV head, 1.88x the tokens of bfloat16 per GiB at head_dim 64 "
-        "and that much less for decode attention to read, at up to 1/254 of each row's largest |value| of error.",
+        "and that much less for decode attention to read; keys stored Walsh-Hadamard rotated, so that a few "
+        "outlier channels do not set every row's scale. Errors: up to 1/254 of a row's largest |value|.",
     )
     gpu_memory_utilization: float = option(  # weights + activations + KV
         0.9,

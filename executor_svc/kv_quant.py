@@ -6,7 +6,8 @@ so at large batches it is bound by memory bandwidth (docs/benchmarks.md);
 bfloat16 K/V are 2 bytes a value. Stored as int8 with one float32 scale per
 token and KV head, they are 1 + 4 / head_dim bytes a value: a block holds
 1.88x the tokens of a bf16 one at head_dim 64, and a decode step reads that
-much less. The kernels dequantize as they read (attention/native/kv_int8.h).
+much less. The kernels read the rows in place (attention/native/decode_int8.h,
+paged_prefill.c).
 
 Layout: the cache tensors are int8 [num_blocks, block_size, num_kv_heads,
 head_dim + SCALE_BYTES]; each (token, KV head) row is head_dim int8 values q
@@ -15,8 +16,10 @@ and then the float32 scale s (native byte order), value = q * s, with
     s = max|x| / 127,    q = round_half_even(x * (127 / max|x|))
 
 over the row's float32 values x (a row of zeros: s = 0, q = 0; a row with a
-NaN: s = NaN, q = 0 there). The error of a value is at most 1/254 of its
-row's largest magnitude. Keys whose head_dim is a power of two are stored
+NaN: s = NaN, q = 0 there). The error of a stored value is at most 1/254 of
+its row's largest magnitude: for values, of the row itself; for rotated keys,
+of the rotated row (an L2 error of at most sqrt(head_dim) / 254 of its
+largest rotated value). Keys whose head_dim is a power of two are stored
 rotated, x = fwht(k) (native/hadamard.h says why: a few outlier channels
 would otherwise set every row's scale), and the kernels rotate each query
 to meet them: q.k = fwht(q).fwht(k). Values are stored as they are. native/fused_ops_bf16.c's
@@ -75,7 +78,8 @@ def quantize_rows(x: torch.Tensor, keys: bool = False) -> torch.Tensor:
     # Divisions of tensors, as C divides: torch computes `127.0 / amax` as 127 x (1 / amax).
     scale = amax / levels
     inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
-    q = torch.nan_to_num(torch.round(x * inv), nan=0.0, posinf=0.0, neginf=0.0).clamp_(-127, 127)
+    # A row so small that 127 / max|x| overflows: its values clamp to +-127, as in C.
+    q = torch.nan_to_num(torch.round(x * inv), nan=0.0, posinf=127.0, neginf=-127.0).clamp_(-127, 127)
     return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
 
 

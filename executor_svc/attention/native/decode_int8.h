@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void decode_int8_heads(
         qscale[hh] = amax / 32767.f * scale;
         for (int d = 0; d < D; d++) {
             const float r = nearbyintf(src[d] * inv);
-            qw[hh][d] = (int16_t)(r > 32767.f ? 32767.f : r < -32767.f ? -32767.f : r);
+            qw[hh][d] = (int16_t)(r != r ? 0.f : r > 32767.f ? 32767.f : r < -32767.f ? -32767.f : r);
         }
         for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
         m[hh] = -INFINITY;
