@@ -244,12 +244,9 @@ static void row_to_int8(int8_t *dst, const void *src, int n, int src_f32, int ro
 }
 
 #ifdef __AVX512F__
-/* row_to_int8 for n a multiple of 16 up to 256, in registers: the same
- * operations on the same values, so the same bytes (tests/test_kv_int8.py
- * compares both with kv_quant.py). The Walsh-Hadamard butterflies within a
- * vector pair lane j with lane j ^ h: the lower lane's a + b is the swapped
- * value plus its own, the upper lane's a - b the swapped value minus its own
- * (an FMA by -1: the product is exact, so one rounding, as the subtraction). */
+/* row_to_int8 for n a multiple of 16 up to 256 (rotated: a power of two), in
+ * registers: the same operations on the same values, so the same bytes
+ * (tests/test_kv_int8.py compares both with kv_quant.py). */
 static void row_to_int8_avx512(int8_t *dst, const void *src, int n, int src_f32, int rotate)
 {
     __m512 x[16];
@@ -257,31 +254,8 @@ static void row_to_int8_avx512(int8_t *dst, const void *src, int n, int src_f32,
     for (int v = 0; v < nv; v++)
         x[v] = src_f32 ? _mm512_loadu_ps((const float *)src + 16 * v)
                        : bf16_widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + 16 * v)));
-    if (rotate) {
-        for (int h = 1; h < 16 && h < n; h *= 2) {
-            const __m512 sign = _mm512_castsi512_ps(_mm512_setr_epi32(
-                (0 & h) ? 0xBF800000 : 0x3F800000, (1 & h) ? 0xBF800000 : 0x3F800000, (2 & h) ? 0xBF800000 : 0x3F800000,
-                (3 & h) ? 0xBF800000 : 0x3F800000, (4 & h) ? 0xBF800000 : 0x3F800000, (5 & h) ? 0xBF800000 : 0x3F800000,
-                (6 & h) ? 0xBF800000 : 0x3F800000, (7 & h) ? 0xBF800000 : 0x3F800000, (8 & h) ? 0xBF800000 : 0x3F800000,
-                (9 & h) ? 0xBF800000 : 0x3F800000, (10 & h) ? 0xBF800000 : 0x3F800000,
-                (11 & h) ? 0xBF800000 : 0x3F800000, (12 & h) ? 0xBF800000 : 0x3F800000,
-                (13 & h) ? 0xBF800000 : 0x3F800000, (14 & h) ? 0xBF800000 : 0x3F800000,
-                (15 & h) ? 0xBF800000 : 0x3F800000));
-            const __m512i swap = _mm512_setr_epi32(0 ^ h, 1 ^ h, 2 ^ h, 3 ^ h, 4 ^ h, 5 ^ h, 6 ^ h, 7 ^ h, 8 ^ h, 9 ^ h,
-                                                   10 ^ h, 11 ^ h, 12 ^ h, 13 ^ h, 14 ^ h, 15 ^ h);
-            for (int v = 0; v < nv; v++)
-                x[v] = _mm512_fmadd_ps(x[v], sign, _mm512_permutexvar_ps(swap, x[v]));
-        }
-        for (int h = 1; h < nv; h *= 2)
-            for (int i = 0; i < nv; i += 2 * h)
-                for (int j = i; j < i + h; j++) {
-                    const __m512 a = x[j], b = x[j + h];
-                    x[j] = _mm512_add_ps(a, b);
-                    x[j + h] = _mm512_sub_ps(a, b);
-                }
-        const __m512 s = _mm512_set1_ps(1.f / sqrtf((float)n));
-        for (int v = 0; v < nv; v++) x[v] = _mm512_mul_ps(x[v], s);
-    }
+    if (rotate)
+        fwht_normalized_x16(x, nv);
     __m512 amax_v = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int v = 0; v < nv; v++) {

@@ -30,4 +30,38 @@ static inline void fwht_normalized(float *x, int n)
     for (int i = 0; i < n; i++) x[i] *= s;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* fwht_normalized over n = 16 * nv values held in x[0 .. nv - 1], nv a power
+ * of two: the same operations on the same values, so the same bits. The
+ * butterflies within a vector pair lane j with lane j ^ h: the lower lane's
+ * a + b is the swapped value plus its own, the upper lane's a - b the
+ * swapped value minus its own (an FMA by -1: the product is exact, so one
+ * rounding, as the subtraction). */
+static inline __attribute__((always_inline)) void fwht_normalized_x16(__m512 *x, int nv)
+{
+    for (int h = 1; h < 16; h *= 2) {
+        float sign[16];
+        int swap[16];
+        for (int j = 0; j < 16; j++) {
+            sign[j] = (j & h) ? -1.f : 1.f;
+            swap[j] = j ^ h;
+        }
+        const __m512 s = _mm512_loadu_ps(sign);
+        const __m512i p = _mm512_loadu_si512((const void *)swap);
+        for (int v = 0; v < nv; v++) x[v] = _mm512_fmadd_ps(x[v], s, _mm512_permutexvar_ps(p, x[v]));
+    }
+    for (int h = 1; h < nv; h *= 2)
+        for (int i = 0; i < nv; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const __m512 a = x[j], b = x[j + h];
+                x[j] = _mm512_add_ps(a, b);
+                x[j + h] = _mm512_sub_ps(a, b);
+            }
+    const __m512 scale = _mm512_set1_ps(1.f / sqrtf((float)(16 * nv)));
+    for (int v = 0; v < nv; v++) x[v] = _mm512_mul_ps(x[v], scale);
+}
+#endif
+
 #endif

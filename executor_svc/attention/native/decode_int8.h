@@ -43,21 +43,27 @@ static inline __attribute__((always_inline)) void decode_int8_heads(
     __m512 acc_mem[MAX_ITEM_HEADS][8];
     for (int hh = 0; hh < kv_count * G; hh++) {
         /* Rotated to meet the rotated keys (kv_quant.py, hadamard.h). */
-        float src[128];
-        memcpy(src, q + (int64_t)(kv_first * G + hh) * q_head_stride, sizeof(float) * D);
-        fwht_normalized(src, D);
-        float amax = 0.f;
-        for (int d = 0; d < D; d++) {
-            const float a = fabsf(src[d]);
-            amax = a != a || amax != amax ? NAN : a > amax ? a : amax;
+        const float *src = q + (int64_t)(kv_first * G + hh) * q_head_stride;
+        __m512 x[8], amax_v = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (int c = 0; c < NC; c++) x[c] = _mm512_loadu_ps(src + 16 * c);
+        fwht_normalized_x16(x, NC);
+        for (int c = 0; c < NC; c++) {
+            nan |= _mm512_cmp_ps_mask(x[c], x[c], _CMP_UNORD_Q);
+            amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(x[c]));
         }
+        const float amax = nan ? NAN : _mm512_reduce_max_ps(amax_v);
         /* A NaN or infinite query: q16 = 0 and a NaN or infinite scale, so
-         * every score is NaN (0 x inf included), as exact attention's. */
+         * every score is NaN (0 x inf included), as exact attention's. A
+         * query too small to invert (32767 / max|q| overflows) rounds to +-32767 or 0. */
         const float inv = amax > 0.f && amax < INFINITY ? 32767.f / amax : 0.f;
         qscale[hh] = amax / 32767.f * scale;
-        for (int d = 0; d < D; d++) {
-            const float r = nearbyintf(src[d] * inv);
-            qw[hh][d] = (int16_t)(r != r ? 0.f : r > 32767.f ? 32767.f : r < -32767.f ? -32767.f : r);
+        const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(32767.f), lo = _mm512_set1_ps(-32767.f);
+        for (int c = 0; c < NC; c++) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(x[c], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __mmask16 ok = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);
+            const __m512i q32 = _mm512_cvtps_epi32(_mm512_maskz_mov_ps(ok, _mm512_min_ps(_mm512_max_ps(r, lo), hi)));
+            _mm256_store_si256((__m256i *)(qw[hh] + 16 * c), _mm512_cvtepi32_epi16(q32));
         }
         for (int c = 0; c < NC; c++) acc_mem[hh][c] = _mm512_setzero_ps();
         m[hh] = -INFINITY;
