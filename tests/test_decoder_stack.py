@@ -85,26 +85,18 @@ def as_numbers(out) -> dict:
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "deterministic"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_stack_equals_the_python_layers_bit_for_bit(tiny_gguf, dtype, batch_invariant):
-    native, python = runner_pair(tiny_gguf, dtype, batch_invariant)
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    # int8: the stack writes K/V through kv_write_int8 and attends with the int8 decode kernel.
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)],
+    ids=["float32", "bfloat16", "bfloat16-int8-kv"],
+)
+def test_stack_equals_the_python_layers_bit_for_bit(tiny_gguf, dtype, kv_dtype, batch_invariant):
+    native, python = runner_pair(tiny_gguf, dtype, batch_invariant, kv_dtype)
     native.stack = counter = Counting(native.stack)
     work = jobs(320)
     # Budget 48: prompts arrive while others decode, so steps mix prefill
     # chunks and decodes (Python), and decode-only steps run 1-4 rows (the stack).
-    got = as_numbers(PlanDriver(native, BLOCK).run(work, token_budget=48))
-    want = as_numbers(PlanDriver(python, BLOCK).run(work, token_budget=48))
-    assert got == want
-    assert counter.taken >= 8, f"the stack took only {counter.taken} steps"
-
-
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "deterministic"])
-def test_stack_over_an_int8_cache_equals_the_python_layers_bit_for_bit(tiny_gguf, batch_invariant):
-    """--kv-cache-dtype int8: the stack writes K/V through kv_write_int8 and
-    attends with the int8 decode kernel, as the Python layers do."""
-    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant, kv_dtype=torch.int8)
-    native.stack = counter = Counting(native.stack)
-    work = jobs(320)
     got = as_numbers(PlanDriver(native, BLOCK).run(work, token_budget=48))
     want = as_numbers(PlanDriver(python, BLOCK).run(work, token_budget=48))
     assert got == want
