@@ -164,6 +164,23 @@ def test_long_peaked_decodes_over_an_int8_cache_match_the_reference():
     torch.testing.assert_close(out.double(), batch.expected(), **INT8_TOLERANCE)
 
 
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="this CPU's build already lacks AVX512-VNNI")
+def test_the_int8_decode_kernel_without_vnni_gives_the_same_bits():
+    """decode_int8.h's key products through VPMADDWD + VPADDD (CPUs without
+    AVX512-VNNI) instead of VPDPWSSD: integer arithmetic, so the same outputs."""
+    from executor_svc.native_build import load_library
+
+    lib = load_library(native_kernel.SOURCE, ("-mno-avx512vnni",))
+    assert lib is not None, "the decode kernel did not build without VNNI"
+    batch = quantized(
+        make_batch([(300, 1), (45, 1), (16, 1)], block_size=16, num_kv_heads=3, group=3, head_dim=64, seed=4)
+    )
+    with_vnni = run_step(backend("cpu"), batch)
+    without = run_step(CpuAttentionBackend(lib.paged_decode_attention), batch)
+    assert torch.equal(with_vnni, without)
+    torch.testing.assert_close(without.double(), batch.expected(), **INT8_TOLERANCE)
+
+
 def test_int8_prefills_run_in_the_native_kernel(monkeypatch):
     """Prefills over an int8 cache go through paged_prefill.c, not SDPA."""
     cpu = backend("cpu")
