@@ -60,9 +60,12 @@ class Worker:
         self.tp_size = 1 if tp is None else tp.size
         self.device = machine.resolve_device(config.device) if tp is None else tp.device
         self.dtype = machine.resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = {"auto": self.dtype, "int8": torch.int8}.get(config.kv_cache_dtype) or machine.resolve_dtype(
-            config.kv_cache_dtype, self.device
-        )
+        if config.kv_cache_dtype == "auto":
+            self.kv_dtype = self.dtype
+        elif config.kv_cache_dtype == "int8":
+            self.kv_dtype = torch.int8
+        else:
+            self.kv_dtype = machine.resolve_dtype(config.kv_cache_dtype, self.device)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "cpu"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc import kv_quant
 from executor_svc.attention.metadata import AttentionMetadata
 
 
@@ -164,7 +165,6 @@ def quantized(batch: SyntheticBatch) -> SyntheticBatch:
     K/V the values the cache holds, so that `expected` is exact attention
     over what a backend reads. The new tokens' K/V stay as given: write_kv
     quantizes them."""
-    from executor_svc import kv_quant
 
     def stored(x: torch.Tensor, keys: bool) -> torch.Tensor:
         return kv_quant.dequantize_rows(kv_quant.quantize_rows(x, keys), torch.float64, keys)
