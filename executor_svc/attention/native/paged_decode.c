@@ -487,7 +487,8 @@ int paged_decode_attention(
 #if defined(__AVX512F__) && !defined(PAGED_DECODE_GENERIC)
     const decode_fn fn = fast_path(num_heads / num_kv_heads, head_dim, bf16);
     if (fn != NULL) {
-        const int64_t row_len = (int64_t)num_kv_heads * (bf16 & KV_INT8 ? head_dim + INT8_SCALE_BYTES : head_dim);
+        const int64_t head_len = bf16 & KV_INT8 ? head_dim + INT8_SCALE_BYTES : head_dim, row_len = num_kv_heads * head_len;
+        const int esz = bf16 & KV_INT8 ? 1 : bf16 & BF16_KV ? 2 : 4;
         /* Work item = (decode, all its KV heads) when there are enough decodes
          * to share out: each token's row is then read whole, front to back,
          * which the hardware prefetcher streams. Few decodes: (decode, KV
@@ -497,7 +498,9 @@ int paged_decode_attention(
         /* bfloat16 queries or outputs: the item's heads are staged in float32
          * per thread (a few KB, beside a whole history of K/V reads). */
         const int q_bf16 = (bf16 & BF16_Q) != 0, out_bf16 = (bf16 & BF16_OUT) != 0, staged = q_bf16 || out_bf16;
+        const int64_t num_items = (int64_t)num_decodes * items_per_decode;
         int failed = 0;
+        int64_t next_item = 0; /* items are claimed in order, one ahead (below) */
 #pragma omp parallel num_threads(num_threads)
         {
             float *stage = staged ? malloc(2 * sizeof(float) * (size_t)num_heads * head_dim) : NULL;
@@ -505,8 +508,27 @@ int paged_decode_attention(
 #pragma omp atomic write
                 failed = 1;
             }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < (int64_t)num_decodes * items_per_decode; item++) {
+            /* Dynamic scheduling, one item at a time, but each thread claims
+             * its next item before running the current one and prefetches
+             * that item's first chunk: the kernel prefetches an item's later
+             * chunks while it scores earlier ones, but its first would
+             * otherwise be read cold, a DRAM latency per item with nothing to
+             * overlap it (docs/optimization_log.md). */
+            int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+            for (int64_t claimed; item < num_items; item = claimed) {
+                claimed = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+                if (claimed < num_items) { /* its first chunk into L2 (T1), all of the item's KV heads */
+                    const int r = seq_index[claimed / items_per_decode];
+                    const int64_t off = (claimed % items_per_decode) * per_item * head_len, bytes = per_item * head_len * esz;
+                    int64_t first[CHUNK];
+                    const int n = chunk_rows(first, block_tables + (int64_t)r * block_table_stride, 0, seq_lens[r],
+                                             block_size, row_len);
+                    for (int j = 0; j < n; j++)
+                        for (int64_t b = 0; b < bytes; b += 64) {
+                            __builtin_prefetch((const char *)k_cache + (first[j] + off) * esz + b, 0, 2);
+                            __builtin_prefetch((const char *)v_cache + (first[j] + off) * esz + b, 0, 2);
+                        }
+                }
                 if (staged && stage == NULL)
                     continue;
                 const int i = (int)(item / items_per_decode), kv = (int)(item % items_per_decode) * per_item;
