@@ -500,7 +500,8 @@ int paged_decode_attention(
         const int q_bf16 = (bf16 & BF16_Q) != 0, out_bf16 = (bf16 & BF16_OUT) != 0, staged = q_bf16 || out_bf16;
         const int64_t num_items = (int64_t)num_decodes * items_per_decode;
         int failed = 0;
-        int64_t next_item = 0; /* items are claimed in order, one ahead (below) */
+        int64_t next_item = 0; /* items are claimed in order (below) */
+        const int ahead = num_items >= 4 * (int64_t)num_threads;
 #pragma omp parallel num_threads(num_threads)
         {
             float *stage = staged ? malloc(2 * sizeof(float) * (size_t)num_heads * head_dim) : NULL;
@@ -508,16 +509,18 @@ int paged_decode_attention(
 #pragma omp atomic write
                 failed = 1;
             }
-            /* Dynamic scheduling, one item at a time, but each thread claims
-             * its next item before running the current one and prefetches
-             * that item's first chunk: the kernel prefetches an item's later
-             * chunks while it scores earlier ones, but its first would
-             * otherwise be read cold, a DRAM latency per item with nothing to
-             * overlap it (docs/optimization_log.md). */
-            int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
-            for (int64_t claimed; item < num_items; item = claimed) {
-                claimed = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
-                if (claimed < num_items) { /* its first chunk into L2 (T1), all of the item's KV heads */
+            /* Dynamic scheduling, one item at a time. With many items each
+             * thread claims its next one before running the current one and
+             * prefetches that item's first chunk: the kernel prefetches an
+             * item's later chunks while it scores earlier ones, but its first
+             * would otherwise be read cold, a DRAM latency per item with
+             * nothing to overlap it (docs/optimization_log.md). With few
+             * (long) items a claim held ahead could leave a thread idle. */
+            int64_t claimed = -1;
+            for (int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED); item < num_items;
+                 item = ahead ? claimed : __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED)) {
+                if (ahead && (claimed = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED)) < num_items) {
+                    /* its first chunk into L2 (T1), all of the item's KV heads */
                     const int r = seq_index[claimed / items_per_decode];
                     const int64_t off = (claimed % items_per_decode) * per_item * head_len, bytes = per_item * head_len * esz;
                     int64_t first[CHUNK];
