@@ -520,17 +520,14 @@ int paged_decode_attention(
             for (int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED); item < num_items;
                  item = ahead ? claimed : __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED)) {
                 if (ahead && (claimed = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED)) < num_items) {
-                    /* its first chunk into L2 (T1), all of the item's KV heads */
+                    /* its first chunk into L2 (prefetch_token's T1 stage), all of the item's KV heads */
                     const int r = seq_index[claimed / items_per_decode];
-                    const int64_t off = (claimed % items_per_decode) * per_item * head_len, bytes = per_item * head_len * esz;
+                    const int64_t off = (claimed % items_per_decode) * per_item * head_len;
                     int64_t first[CHUNK];
                     const int n = chunk_rows(first, block_tables + (int64_t)r * block_table_stride, 0, seq_lens[r],
                                              block_size, row_len);
                     for (int j = 0; j < n; j++)
-                        for (int64_t b = 0; b < bytes; b += 64) {
-                            __builtin_prefetch((const char *)k_cache + (first[j] + off) * esz + b, 0, 2);
-                            __builtin_prefetch((const char *)v_cache + (first[j] + off) * esz + b, 0, 2);
-                        }
+                        prefetch_token(k_cache, v_cache, first, n, NULL, 0, j, off, esz, (int)(per_item * head_len * esz));
                 }
                 if (staged && stage == NULL)
                     continue;
