@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from executor_svc import fused_ops, kv_quant
+from executor_svc import fused_ops, kv_quant, machine
 from executor_svc.layer_ops import Kernels
 from executor_svc.model import KVCache, LlamaForCausalLM
 from executor_svc.native_build import load_library
@@ -96,6 +96,8 @@ class _Model(ctypes.Structure):
             "attention_flags",
             "bf16_dot_native",
             "num_slots",
+            "block_bytes",
+            "warm_bytes",
         )
     ]
     _fields_ += [("eps", _F64), ("scale", _F64)]
@@ -141,6 +143,14 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+def warm_bytes() -> int:
+    """Key bytes the dot GEMMs of a layer warm for the next layer's attention
+    (decoder_stack.c): half the L3 this process reaches, so that the warmed
+    blocks and the weights streamed beside them both fit; 0 (no warming)
+    where Linux does not say how large the L3 is."""
+    return (machine.cache_bytes(levels=("3",)) or 0) // 2
+
+
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -163,7 +173,7 @@ class DecoderStack:
         self._model = _Model(
             gemm_panels=_address(gemm.gemm),
             gemm_blocks=_address(gemm.gemm_blocks),
-            gemm_bf16_dot=_address(gemm.gemm_bf16_dot),
+            gemm_bf16_dot=_address(gemm.gemm_bf16_dot_warm),
             gemm_int8=_address(gemm.gemm_int8),
             gemm_gguf_dot=_address(gemm.gemm_quant_bf16_dot),
             rms_norm=_address(f32.rms_norm_f32),
@@ -183,6 +193,11 @@ class DecoderStack:
             attention_flags=0,  # set per step, from the backend's decode route
             bf16_dot_native=int(gemm.bf16_dot_native),
             num_slots=k_cache.shape[0] * k_cache.shape[1],
+            block_bytes=k_cache[0].numel() * k_cache.element_size(),
+            # Not for an int8 cache: its decode kernel is bound by the
+            # dequantisation, not the reads (64 decodes at context 256 on a
+            # Zen 5: attention 0.25 ms faster a step, the GEMMs 0.5 ms slower).
+            warm_bytes=warm_bytes() if k_cache.dtype != torch.int8 else 0,
             eps=cfg.rms_norm_eps,
             scale=first.scale,
         )

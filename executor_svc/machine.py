@@ -41,11 +41,13 @@ def _read(path: str) -> str | None:
         return None
 
 
-def cache_bytes(cpus: Iterable[int] | None = None, root: str = "/sys/devices/system/cpu") -> int | None:
-    """The bytes of L2 and L3 cache the given CPUs (default: those this
-    process may run on) reach, each cache instance counted once however
-    many CPUs share it; None where Linux does not say (no sysfs). All of it
-    is what a weight must outgrow to come from memory at every step: one L3
+def cache_bytes(
+    cpus: Iterable[int] | None = None, root: str = "/sys/devices/system/cpu", levels: tuple[str, ...] = ("2", "3")
+) -> int | None:
+    """The bytes of the cache `levels` (default L2 and L3) the given CPUs
+    (default: those this process may run on) reach, each cache instance
+    counted once however many CPUs share it; None where Linux does not say
+    (no sysfs). All of L2 and L3 is what a weight must outgrow to come from memory at every step: one L3
     of a many-chiplet EPYC is a fraction of the CPU's, and non-inclusive L2s
     hold data an L3 no longer does."""
     if cpus is None:
@@ -54,7 +56,7 @@ def cache_bytes(cpus: Iterable[int] | None = None, root: str = "/sys/devices/sys
     for cpu in cpus:
         for index in glob.glob(f"{root}/cpu{cpu}/cache/index*"):
             level, size = _read(f"{index}/level"), _read(f"{index}/size") or ""
-            if level not in ("2", "3"):
+            if level not in levels:
                 continue
             key = (level, _read(f"{index}/shared_cpu_list") or f"cpu{cpu}")
             if key in seen:

@@ -63,6 +63,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int packed_gemm_bf16_dot_native(void)",
         "int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,"
         " const float *bias, int M, int N, int K, int native, int num_threads)",
+        "int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t lda,"
+        " const uint8_t *blocks, const float *bias, int M, int N, int K, int native, int num_threads,"
+        " const char *const *spans, int64_t num_spans, int64_t span_bytes)",
         "int packed_gemm_int8_native(void)",
         "int quantize_rows_int8(int8_t *q, float *scale, float *sum, const float *a, int64_t lda, int M, int K)",
         "int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks,"

@@ -80,6 +80,7 @@ class _Kernel:
     gemm: ctypes._CFuncPtr
     gemm_blocks: ctypes._CFuncPtr
     gemm_bf16_dot: ctypes._CFuncPtr
+    gemm_bf16_dot_warm: ctypes._CFuncPtr  # the same, warming spans of memory as it goes (decoder_stack.c)
     gemm_int8: ctypes._CFuncPtr
     gemm_quant_bf16_dot: ctypes._CFuncPtr
     quantize_int8: ctypes._CFuncPtr
@@ -98,6 +99,7 @@ def kernel() -> _Kernel | None:
         lib.packed_gemm,
         lib.packed_gemm_quant,
         lib.packed_gemm_bf16_dot,
+        lib.packed_gemm_bf16_dot_warm,
         lib.packed_gemm_quant_int8,
         lib.packed_gemm_quant_bf16_dot,
         lib.quantize_rows_int8,

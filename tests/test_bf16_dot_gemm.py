@@ -6,6 +6,8 @@ the CPU has AVX512-BF16."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -123,3 +125,30 @@ def test_vdpbf16ps_agrees_with_its_emulation(rows):
     emul = emulated(x, w).double()
     mags = x.to(torch.bfloat16).double().abs() @ w.double().abs().T
     assert ((native - emul).abs() <= 2 * 192 * 2.0**-24 * mags).all()
+
+
+@pytest.mark.parametrize("rows,spans,span_bytes", [(1, 3, 6144), (64, 40, 6144), (9, 500, 3264), (64, 1, 100)])
+def test_warming_changes_no_output_and_refuses_a_missing_span_list(rows, spans, span_bytes):
+    """packed_gemm_bf16_dot_warm prefetches `spans` while it computes: the
+    product is the plain call's bit for bit, whether there are fewer spans
+    than tiles or many more, span lengths a whole number of lines or not."""
+    k = packed_linear.kernel()
+    w = bf16_weight(200, 192, rows)
+    blocks = pack_bf16(w)
+    xb = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    arena = torch.zeros(spans * span_bytes + 64, dtype=torch.uint8)
+    table = (ctypes.c_void_p * spans)(*[arena.data_ptr() + i * span_bytes for i in range(spans)])
+    native = int(k.bf16_dot_native)
+    outs = []
+    for warm in ((None, 0, 0), (table, spans, span_bytes)):
+        out = torch.full((rows, 200), float("nan"))
+        args = (out.data_ptr(), 200, xb.data_ptr(), 192, blocks.data.data_ptr(), None, rows, 200, 192, native, 2)
+        assert k.gemm_bf16_dot_warm(*args, *warm) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], linear(xb.float(), w, None, PackedWeight(None, blocks, bf16_routes=DOT)))
+    untouched = torch.full((rows, 200), float("nan"))
+    args = (untouched.data_ptr(), 200, xb.data_ptr(), 192, blocks.data.data_ptr(), None, rows, 200, 192, native, 2)
+    assert k.gemm_bf16_dot_warm(*args, None, 3, span_bytes) == -4
+    assert k.gemm_bf16_dot_warm(*args, table, spans, 0) == -4
+    assert untouched.isnan().all()

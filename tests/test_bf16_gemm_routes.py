@@ -114,6 +114,9 @@ def test_cache_bytes_counts_each_l2_and_l3_instance_once(tmp_path):
     assert machine.cache_bytes([0, 1], root=str(tmp_path)) == (2 + 2 + 32) << 20
     assert machine.cache_bytes([0], root=str(tmp_path)) == (2 + 32) << 20
     assert machine.cache_bytes([0], root=str(tmp_path / "missing")) is None
+    # One level alone: the shared L3 once (decoder_stack.warm_bytes' budget), the L2s each.
+    assert machine.cache_bytes([0, 1], root=str(tmp_path), levels=("3",)) == 32 << 20
+    assert machine.cache_bytes([0, 1], root=str(tmp_path), levels=("2",)) == 4 << 20
 
 
 def test_a_bf16_route_whose_product_is_wrong_is_never_chosen():

@@ -138,6 +138,24 @@ def test_stack_runs_the_other_packed_routes_as_python_does(request, model, dtype
     assert counter.taken >= 8
 
 
+@pytest.mark.parametrize("warm_blocks", [0, 1, 5, 1 << 20], ids=["off", "one-block", "five-blocks", "all"])
+def test_warming_the_next_layers_keys_changes_no_output(tiny_gguf, warm_blocks):
+    """On the dot route the stack's GEMMs prefetch the next attention's key
+    blocks (decoder_stack.c): whatever the budget (none, part of a step's
+    blocks, all of them), the numbers are the Python path's."""
+    native, python = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant=False)
+    for layer in native.model.layers:
+        layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
+    native.stack.refresh()
+    model = native.stack._model
+    assert model.block_bytes == native.kv_caches[0][0][0].numel() * 2
+    model.warm_bytes = warm_blocks * model.block_bytes
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320, lengths=(9, 30, 17, 50, 3))
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 8
+
+
 def test_stack_passes_the_dot_decode_route_as_python_does(tiny_gguf):
     """--decode-attention dot (attention/routes.py sets it on the backend after
     the stack is built): the stack hands the kernel the same arithmetic bits

@@ -29,11 +29,29 @@
  * Blocks are contiguous within a panel, so a panel is K/2 steps of
  * 192 bytes read front to back; tiles, chunks, threads and the prefetch of
  * the next panel are those of packed_gemm's float32 kernel.
+ *
+ * Warming (packed_gemm_bf16_dot_warm): a compute-bound GEMM leaves the
+ * memory bus idle, and the decoder stack knows which memory the next
+ * latency-bound kernel will read (the next layer's key blocks). Given a
+ * list of spans, each thread takes its share of their lines and spreads it
+ * over its tiles' k steps as it does the next panel's, prefetching with the
+ * T2 hint (into L2 on AMD and Intel cores), from which the lines fall into
+ * the L3 to wait there. T0 cost the GEMM more for the same gain.
  */
+
+#ifndef PAGEDSERVE_WARM_CURSOR
+#define PAGEDSERVE_WARM_CURSOR
+/* Where a thread is in its share of the spans to warm. */
+struct warm_cursor {
+    const char *const *span; /* the span being warmed */
+    int64_t off;             /* bytes of it done */
+    int64_t span_bytes;
+};
+#endif
 
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
     int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *panel, const float *bias,
-    int K, int ncols, const char *pf, int pf_lines)
+    int K, int ncols, const char *pf, int pf_lines, struct warm_cursor *warm, int warm_lines)
 {
     __mmask16 mask[NV];
     for (int j = 0; j < NV; j++)
@@ -45,13 +63,22 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
             acc[i][j] = init;
     }
     const int steps = K / 2;
-    int pf_err = 0;
+    int pf_err = 0, warm_err = 0;
+    const char *const *span = warm->span;
+    int64_t warm_off = warm->off;
 #pragma GCC unroll 4
     for (int s = 0; s < steps; s++) {
         const uint8_t *w = panel + (int64_t)s * DOT_STEP_BYTES;
         _mm_prefetch((const char *)(w + PREFETCH_K * DOT_STEP_BYTES), _MM_HINT_T0);
         for (pf_err += pf_lines; pf_err >= steps; pf_err -= steps, pf += 64)
             _mm_prefetch(pf, _MM_HINT_T0);
+        for (warm_err += warm_lines; warm_err >= steps; warm_err -= steps) {
+            _mm_prefetch(*span + warm_off, _MM_HINT_T2);
+            if ((warm_off += 64) >= warm->span_bytes) {
+                warm_off = 0;
+                span++;
+            }
+        }
         __m512i wv[NV];
         for (int j = 0; j < NV; j++)
             wv[j] = _mm512_loadu_si512((const void *)(w + 64 * j));
@@ -66,26 +93,30 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++)
             _mm512_mask_storeu_ps(c_out + i * ldc + 16 * j, mask[j], acc[i][j]);
+    warm->span = span;
+    warm->off = warm_off;
 }
 
 static DOT_TARGET void DOT_NAME(tile_rows)(int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda,
                                            const uint8_t *panel, const float *bias, int K, int ncols, const char *pf,
-                                           int pf_lines)
+                                           int pf_lines, struct warm_cursor *warm, int warm_lines)
 {
     switch (mr) {
-    case 8: DOT_NAME(tile)(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 7: DOT_NAME(tile)(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 6: DOT_NAME(tile)(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 5: DOT_NAME(tile)(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 4: DOT_NAME(tile)(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 3: DOT_NAME(tile)(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    case 2: DOT_NAME(tile)(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
-    default: DOT_NAME(tile)(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines); break;
+    case 8: DOT_NAME(tile)(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 7: DOT_NAME(tile)(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 6: DOT_NAME(tile)(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 5: DOT_NAME(tile)(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 4: DOT_NAME(tile)(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 3: DOT_NAME(tile)(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 2: DOT_NAME(tile)(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    default: DOT_NAME(tile)(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
     }
 }
 
+/* num_spans spans of span_bytes each to warm (none: 0) alongside the GEMM. */
 static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
-                                      const float *bias, int M, int N, int K, int num_threads)
+                                      const float *bias, int M, int N, int K, int num_threads,
+                                      const char *const *spans, int64_t num_spans, int64_t span_bytes)
 {
     const int panels = (N + NR - 1) / NR;
     const struct row_split rs = equal_chunks(M, MC, MR);
@@ -95,6 +126,15 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
     {
         const int64_t items = (int64_t)chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t begin = items * me / nt, end = items * (me + 1) / nt;
+        /* This thread's spans, their lines spread evenly over its tiles. */
+        const int64_t first_span = num_spans * me / nt, my_spans = num_spans * (me + 1) / nt - first_span;
+        struct warm_cursor warm = {spans + first_span, 0, span_bytes};
+        const int64_t warm_total = my_spans * ((span_bytes + 63) / 64);
+        int64_t my_tiles = 0, tiles_done = 0, warmed = 0;
+        for (int64_t it = begin; it < end && warm_total; it++) {
+            const int mc = (int)(it / panels), m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
+            my_tiles += (m_end - mc * mcr + MR - 1) / MR;
+        }
         for (int64_t it = begin; it < end; it++) {
             const int mc = (int)(it / panels), p = (int)(it % panels);
             const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
@@ -106,8 +146,10 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
             const char *next = (const char *)(panel + panel_bytes);
             for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
+                const int warm_lines = warm_total ? (int)(warm_total * ++tiles_done / my_tiles - warmed) : 0;
+                warmed += warm_lines;
                 DOT_NAME(tile_rows)(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias ? bias + p * NR : 0,
-                                    K, ncols, next + (int64_t)t * share * 64, share);
+                                    K, ncols, next + (int64_t)t * share * 64, share, &warm, warm_lines);
             }
         }
     }

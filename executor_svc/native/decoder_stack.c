@@ -26,6 +26,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int (*gemm_panels_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const float *packed,
@@ -33,7 +34,8 @@ typedef int (*gemm_panels_fn)(float *c, int64_t ldc, const float *a, int64_t lda
 typedef int (*gemm_blocks_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
                               const float *bias, int M, int N, int K, int num_threads);
 typedef int (*gemm_bf16_dot_fn)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
-                                const float *bias, int M, int N, int K, int native, int num_threads);
+                                const float *bias, int M, int N, int K, int native, int num_threads,
+                                const char *const *spans, int64_t num_spans, int64_t span_bytes);
 typedef int (*gemm_blocks_dot_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
                                   const float *bias, int M, int N, int K, int native, int num_threads);
 typedef void (*rms_norm_fn)(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,
@@ -71,7 +73,7 @@ typedef struct {
 typedef struct {
     gemm_panels_fn gemm_panels;
     gemm_blocks_fn gemm_blocks;
-    gemm_bf16_dot_fn gemm_bf16_dot;
+    gemm_bf16_dot_fn gemm_bf16_dot; /* packed_gemm_bf16_dot_warm */
     gemm_blocks_fn gemm_int8; /* packed_gemm_quant_int8: int8 activations over Q4_1/Q8_0 blocks */
     gemm_blocks_dot_fn gemm_gguf_dot; /* packed_gemm_quant_bf16_dot: bf16 activations over Q4_1 blocks */
     rms_norm_fn rms_norm;
@@ -85,6 +87,8 @@ typedef struct {
     int64_t attention_flags; /* paged_decode_attention's `bf16` bits: the cache's, and the decode route's */
     int64_t bf16_dot_native; /* the dot kernels' `native` (VDPBF16PS, else its emulation) */
     int64_t num_slots;  /* blocks x block_size */
+    int64_t block_bytes; /* one block of one layer's K (or V) cache */
+    int64_t warm_bytes;  /* K bytes a layer's dot GEMMs may warm for the next attention (0: none) */
     double eps, scale;
 } ds_model;
 
@@ -128,11 +132,25 @@ static uint16_t to_bf16(float f)
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Spans of K cache for the dot GEMMs to warm (packed_gemm.c): the blocks
+ * the next attention call will read, so that its key reads come from the L3
+ * instead of DRAM. Why: 64 decodes at context 256 over a bfloat16 cache took
+ * 12.6 ms a step in attention with K/V from DRAM, 5.2 ms with them in L2 and
+ * 7.1 ms with them in L3: the kernel's DRAM latency was exposed, chiefly on
+ * the scores' key reads, while the GEMMs before it are compute bound and
+ * leave the bus idle. Keys only: warming the values as well saved little
+ * more attention time and cost the GEMMs twice as much
+ * (docs/optimization_log.md, thirty-first session). */
+typedef struct {
+    const char *const *spans;
+    int64_t count;
+} warm_spans;
+
 /* out = x @ W^T (+ bias) through the route packed_linear.linear takes for
  * these rows; `xb` is room for x rounded to bfloat16 (the dot route's input,
- * as packed_linear._bf16_dot rounds it). */
+ * as packed_linear._bf16_dot rounds it). The dot route also warms `warm`. */
 static int linear(const ds_model *m, const ds_linear *w, float *out, const float *x, uint16_t *xb, int rows, int n,
-                  int k, int threads)
+                  int k, int threads, warm_spans warm)
 {
     if (w->route == DS_DOT) {
         /* Shared out: on one thread this loop left the other spinning in
@@ -141,7 +159,8 @@ static int linear(const ds_model *m, const ds_linear *w, float *out, const float
         for (int r = 0; r < rows; r++)
             for (int64_t i = (int64_t)r * k; i < (int64_t)(r + 1) * k; i++)
                 xb[i] = to_bf16(x[i]);
-        return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads);
+        return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads,
+                                warm.spans, warm.count, m->block_bytes);
     }
     if (w->route == DS_INT8)
         return m->gemm_int8(out, n, x, k, w->weights, (int)w->fmt, w->bias, rows, n, k, threads);
@@ -163,6 +182,35 @@ static void write_kv_f32(float *k_cache, float *v_cache, const float *qkv, int64
     }
 }
 
+/* The blocks of the first m->warm_bytes of K the step's attention reads,
+ * into ids: each request's blocks in table order, requests in the
+ * order of their first token (the order attention claims its items).
+ * Returns how many. */
+static int64_t warm_block_ids(const ds_model *m, const ds_step *s, int32_t *ids)
+{
+    int64_t n = 0, bytes = 0;
+    for (int64_t t = 0; t < s->num_tokens && bytes < m->warm_bytes; t++) {
+        const int32_t r = s->seq_index[t];
+        if (t > 0 && s->seq_index[t - 1] == r)
+            continue; /* a request's later tokens (prefill-as-decode) read the same blocks */
+        const int64_t blocks = (s->seq_lens[r] + m->block_size - 1) / m->block_size;
+        for (int64_t b = 0; b < blocks && b < s->table_stride && bytes < m->warm_bytes; b++) {
+            ids[n++] = s->block_tables[r * s->table_stride + b];
+            bytes += m->block_bytes;
+        }
+    }
+    return n;
+}
+
+/* Layer l's K spans of those blocks. */
+static void list_spans(const ds_model *m, const ds_layer *layers, int64_t l, const int32_t *ids, int64_t n,
+                       const char **spans)
+{
+    const char *k = (const char *)layers[l].k_cache;
+    for (int64_t i = 0; i < n; i++)
+        spans[i] = k + (int64_t)ids[i] * m->block_bytes;
+}
+
 /* Runs every layer and the final norm. Returns 0; -2 (nothing run) for a slot
  * outside the cache; -3 if the attention kernel could not allocate; -4 if a
  * GEMM, SiLU*mul or K/V-write kernel refused (no vector path: decoder_stack.py
@@ -181,17 +229,38 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
     float *gate_up = attn + pad16((int64_t)T * Q), *act = gate_up + pad16((int64_t)T * 2 * I);
     uint16_t *xb = (uint16_t *)(act + pad16((int64_t)T * I));
     const float eps = (float)m->eps;
+    /* The blocks to warm (the first warm_bytes of the attention's key reads,
+     * in the order its items are claimed) and their spans, for the current
+     * layer and the next; none if there is no room to list them. */
+    int64_t num_ids = 0, max_ids = (int64_t)T * s->table_stride;
+    if (m->warm_bytes > 0 && m->block_bytes > 0 && m->warm_bytes / m->block_bytes + 1 < max_ids)
+        max_ids = m->warm_bytes / m->block_bytes + 1;
+    int32_t *ids = m->warm_bytes > 0 && m->block_bytes > 0 ? malloc(sizeof(int32_t) * (size_t)(max_ids + 1)) : NULL;
+    const char **spans = ids ? malloc(sizeof(char *) * (size_t)(2 * max_ids + 2)) : NULL;
+    if (spans)
+        num_ids = warm_block_ids(m, s, ids);
+    const char **cur = spans, **nxt = spans ? spans + num_ids : NULL;
+    if (spans)
+        list_spans(m, layers, 0, ids, num_ids, cur);
+    /* Each layer's dot GEMMs warm the next attention's spans in proportion
+     * to their work: O, gate/up and down the next layer's first shares,
+     * the next layer's QKV the last (layer 0's QKV: its own, no earlier GEMM). */
+    const int64_t w_o = (int64_t)H * Q, w_gu = (int64_t)2 * I * H, w_down = (int64_t)H * I, w_qkv = (int64_t)QKV * H;
+    const int64_t w_all = w_o + w_gu + w_down + w_qkv, n_sp = num_ids;
+    const int64_t cut_o = n_sp * w_o / w_all, cut_gu = n_sp * (w_o + w_gu) / w_all,
+                  cut_down = n_sp * (w_o + w_gu + w_down) / w_all;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ds_layer *L = layers + l;
         /* DecoderLayer.forward: layer 0 has no previous delta to add. */
         m->rms_norm(x, H, s->h, H, l ? delta : NULL, l ? H : 0, L->input_norm, T, H, eps, threads);
-        if (linear(m, &L->qkv, qkv, x, xb, T, QKV, H, threads))
-            return -4;
+        const warm_spans own = {cur ? cur + cut_down : NULL, cur ? n_sp - cut_down : 0};
+        if (linear(m, &L->qkv, qkv, x, xb, T, QKV, H, threads, own))
+            goto refused;
         m->rope(qkv, QKV, D, s->cos, s->sin_signed, D, T, NH + NKV, D, threads);
         if (m->kv_narrow) {
             if (m->kv_write(L->k_cache, L->v_cache, m->num_slots, qkv + Q, QKV, D, qkv + Q + NKV * D, QKV, D,
                                  1, s->slots, T, NKV, D))
-                return -4; /* slots were checked above: only a build without AVX-512 refuses */
+                goto refused; /* slots were checked above: only a build without AVX-512 refuses */
         } else {
             write_kv_f32(L->k_cache, L->v_cache, qkv, QKV, Q, Q + NKV * D, s->slots, T, (int64_t)NKV * D);
         }
@@ -199,21 +268,41 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
                                           s->block_tables, s->table_stride, s->seq_lens, s->tokens, s->tokens,
                                           s->seq_index, T, NH, NKV, D, (int)m->block_size, (int)s->max_seq_len,
                                           (float)m->scale, threads);
-        if (attended)
+        if (attended) {
+            free(ids);
+            free(spans);
             return attended == -2 ? -5 : -3;
-        if (linear(m, &L->o, attn_out, attn, xb, T, H, Q, threads))
-            return -4;
+        }
+        const int next = cur && l + 1 < m->num_layers;
+        if (next)
+            list_spans(m, layers, l + 1, ids, num_ids, nxt);
+        const warm_spans o = {next ? nxt : NULL, next ? cut_o : 0};
+        const warm_spans gu = {next ? nxt + cut_o : NULL, next ? cut_gu - cut_o : 0};
+        const warm_spans down = {next ? nxt + cut_gu : NULL, next ? cut_down - cut_gu : 0};
+        if (linear(m, &L->o, attn_out, attn, xb, T, H, Q, threads, o))
+            goto refused;
         m->rms_norm(x, H, s->h, H, attn_out, H, L->post_norm, T, H, eps, threads);
-        if (linear(m, &L->gate_up, gate_up, x, xb, T, 2 * I, H, threads))
-            return -4;
+        if (linear(m, &L->gate_up, gate_up, x, xb, T, 2 * I, H, threads, gu))
+            goto refused;
         if (m->silu_mul(act, I, gate_up, 2 * I, T, I, threads))
-            return -4;
-        if (linear(m, &L->down, delta, act, xb, T, H, I, threads))
-            return -4;
+            goto refused;
+        if (linear(m, &L->down, delta, act, xb, T, H, I, threads, down))
+            goto refused;
+        if (next) {
+            const char **swap = cur;
+            cur = nxt;
+            nxt = swap;
+        }
     }
+    free(ids);
+    free(spans);
     m->rms_norm(s->out, H, s->h, H, m->num_layers ? delta : NULL, m->num_layers ? H : 0, m->final_norm, T, H,
                 eps, threads);
     return 0;
+refused:
+    free(ids);
+    free(spans);
+    return -4;
 }
 
 /* The structs' layout by name, for decoder_stack.py to check its mirrors. */
@@ -234,7 +323,8 @@ static const struct {
     FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),
     FIELD(ds_model, num_heads), FIELD(ds_model, num_kv_heads), FIELD(ds_model, head_dim),
-    FIELD(ds_model, block_size), FIELD(ds_model, kv_narrow), FIELD(ds_model, attention_flags), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, eps),
+    FIELD(ds_model, block_size), FIELD(ds_model, kv_narrow), FIELD(ds_model, attention_flags), FIELD(ds_model, bf16_dot_native), FIELD(ds_model, num_slots), FIELD(ds_model, block_bytes),
+    FIELD(ds_model, warm_bytes), FIELD(ds_model, eps),
     FIELD(ds_model, scale),
     SIZE(ds_step), FIELD(ds_step, h), FIELD(ds_step, out), FIELD(ds_step, scratch), FIELD(ds_step, cos),
     FIELD(ds_step, sin_signed), FIELD(ds_step, slots), FIELD(ds_step, block_tables), FIELD(ds_step, seq_lens),

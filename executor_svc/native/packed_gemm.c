@@ -512,20 +512,36 @@ int packed_gemm_bf16_dot_native(void)
  * lda; `native` picks VDPBF16PS (0 = emulated). Returns 0; -2 if native is
  * asked for where packed_gemm_bf16_dot_native() is 0; -3 for a K the blocks
  * cannot hold. */
+int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                              const float *bias, int M, int N, int K, int native, int num_threads,
+                              const char *const *spans, int64_t num_spans, int64_t span_bytes);
+
 int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                          const float *bias, int M, int N, int K, int native, int num_threads)
 {
+    return packed_gemm_bf16_dot_warm(c, ldc, a, lda, blocks, bias, M, N, K, native, num_threads, NULL, 0, 0);
+}
+
+/* packed_gemm_bf16_dot that also prefetches num_spans spans of span_bytes
+ * bytes each, spans[i] the first (bf16_dot_gemm.h: warming), into the cache
+ * while it computes; the result is packed_gemm_bf16_dot's, bit for bit. */
+int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                              const float *bias, int M, int N, int K, int native, int num_threads,
+                              const char *const *spans, int64_t num_spans, int64_t span_bytes)
+{
     if (K <= 0 || K % QK != 0)
         return -3;
+    if (num_spans < 0 || (num_spans > 0 && (spans == NULL || span_bytes <= 0)))
+        return -4;
     if (native) {
         if (!packed_gemm_bf16_dot_native())
             return -2;
 #ifdef HAVE_NATIVE_DOT
-        gemm_dot_native(c, ldc, a, lda, blocks, bias, M, N, K, num_threads);
+        gemm_dot_native(c, ldc, a, lda, blocks, bias, M, N, K, num_threads, spans, num_spans, span_bytes);
 #endif
         return 0;
     }
-    gemm_dot_emulated(c, ldc, a, lda, blocks, bias, M, N, K, num_threads);
+    gemm_dot_emulated(c, ldc, a, lda, blocks, bias, M, N, K, num_threads, spans, num_spans, span_bytes);
     return 0;
 }
 
@@ -610,6 +626,15 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)K; (void)native;
     (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                              const float *bias, int M, int N, int K, int native, int num_threads,
+                              const char *const *spans, int64_t num_spans, int64_t span_bytes)
+{
+    (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)K; (void)native;
+    (void)num_threads; (void)spans; (void)num_spans; (void)span_bytes;
     return -1;
 }
 
