@@ -62,13 +62,15 @@ def emulated(x, w, bias=None):
         (520, 100, 64),
         (2050, 49, 64),
         (64, 1536, 576),
+        (1100, 1000, 64),  # C past PREFETCH_OUT_MIN_BYTES (4.4 MB): tiles prefetch their next output lines
     ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_emulated_dot_is_the_instructions_arithmetic_bit_for_bit(rows, out_features, in_features, with_bias):
     """Tiles of 1..8 rows, two to nine row chunks of equal size (300, 520 and
     2,050 rows: a last chunk and tile shorter than the others), partial last
-    panels and vectors; the whole k order is the one the reference spells out."""
+    panels and vectors, an output large enough for the output prefetch; the
+    whole k order is the one the reference spells out."""
     w = bf16_weight(out_features, in_features, seed=rows)
     gen = torch.Generator().manual_seed(out_features)
     x = torch.randn(rows, in_features, generator=gen)

@@ -37,10 +37,19 @@
  * over its tiles' k steps as it does the next panel's, prefetching with the
  * T2 hint (into L2 on AMD and Intel cores), from which the lines fall into
  * the L3 to wait there. T0 cost the GEMM more for the same gain.
+ *
+ * Output lines: a tile's 8 rows x 48 columns of C are 24 lines in 8 rows far
+ * apart. Where C is larger than the caches keep (the LM head's 64 x 49,152
+ * float32 logits, 12.6 MB), every tile's stores missed and waited on their
+ * lines' reads; each tile now prefetches, for writing, the lines of the same
+ * rows in the next panel, which this thread computes next: at the head's
+ * shape 1.11-1.12x; at the MLP's, whose C stays in L2, 0.93-1.0x, so only
+ * past PREFETCH_OUT_MIN_BYTES of C (docs/optimization_log.md).
  */
 
 #ifndef PAGEDSERVE_WARM_CURSOR
 #define PAGEDSERVE_WARM_CURSOR
+#define PREFETCH_OUT_MIN_BYTES (4 << 20)
 /* Where a thread is in its share of the spans to warm. */
 struct warm_cursor {
     const char *const *span; /* the span being warmed */
@@ -51,7 +60,7 @@ struct warm_cursor {
 
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
     int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *panel, const float *bias,
-    int K, int ncols, const char *pf, int pf_lines, struct warm_cursor *warm, int warm_lines)
+    int K, int ncols, const char *pf, int pf_lines, struct warm_cursor *warm, int warm_lines, int pf_out)
 {
     __mmask16 mask[NV];
     for (int j = 0; j < NV; j++)
@@ -62,6 +71,10 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
         for (int i = 0; i < mr; i++)
             acc[i][j] = init;
     }
+    if (pf_out)
+        for (int i = 0; i < mr; i++)
+            for (int b = 0; b < NR * 4; b += 64)
+                __builtin_prefetch((const char *)(c_out + i * ldc + NR) + b, 1, 3);
     const int steps = K / 2;
     int pf_err = 0, warm_err = 0;
     const char *const *span = warm->span;
@@ -99,17 +112,17 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
 
 static DOT_TARGET void DOT_NAME(tile_rows)(int mr, float *c_out, int64_t ldc, const uint16_t *a, int64_t lda,
                                            const uint8_t *panel, const float *bias, int K, int ncols, const char *pf,
-                                           int pf_lines, struct warm_cursor *warm, int warm_lines)
+                                           int pf_lines, struct warm_cursor *warm, int warm_lines, int pf_out)
 {
     switch (mr) {
-    case 8: DOT_NAME(tile)(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 7: DOT_NAME(tile)(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 6: DOT_NAME(tile)(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 5: DOT_NAME(tile)(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 4: DOT_NAME(tile)(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 3: DOT_NAME(tile)(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    case 2: DOT_NAME(tile)(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
-    default: DOT_NAME(tile)(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines); break;
+    case 8: DOT_NAME(tile)(8, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 7: DOT_NAME(tile)(7, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 6: DOT_NAME(tile)(6, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 5: DOT_NAME(tile)(5, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 4: DOT_NAME(tile)(4, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 3: DOT_NAME(tile)(3, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    case 2: DOT_NAME(tile)(2, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
+    default: DOT_NAME(tile)(1, c_out, ldc, a, lda, panel, bias, K, ncols, pf, pf_lines, warm, warm_lines, pf_out); break;
     }
 }
 
@@ -122,6 +135,7 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
     const struct row_split rs = equal_chunks(M, MC, MR);
     const int mcr = rs.rows, chunks = rs.chunks;
     const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
+    const int pf_out = (int64_t)M * N * (int64_t)sizeof(float) >= PREFETCH_OUT_MIN_BYTES;
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t items = (int64_t)chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -149,7 +163,7 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
                 const int warm_lines = warm_total ? (int)(warm_total * ++tiles_done / my_tiles - warmed) : 0;
                 warmed += warm_lines;
                 DOT_NAME(tile_rows)(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias ? bias + p * NR : 0,
-                                    K, ncols, next + (int64_t)t * share * 64, share, &warm, warm_lines);
+                                    K, ncols, next + (int64_t)t * share * 64, share, &warm, warm_lines, pf_out);
             }
         }
     }
