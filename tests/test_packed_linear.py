@@ -51,10 +51,12 @@ def test_kernel_matches_reference(rows, shape, with_bias):
     assert_close(linear(x, w, bias, PackedWeight(pack(w))), reference(x, w, bias), k)
 
 
-def test_kernel_writes_exactly_its_outputs():
+@pytest.mark.parametrize("n,k,m,ldc", [(50, 64, 11, 53), (1000, 64, 1100, 1003)])
+def test_kernel_writes_exactly_its_outputs(n, k, m, ldc):
     """Into a poisoned output with a wider row stride: every [M, N] element is
-    written, nothing past N is (the last panel's masked stores)."""
-    n, k, m, ldc = 50, 64, 11, 53
+    written, nothing past N is (the last panel's masked stores); the second
+    shape's C (4.4 MB) is past PREFETCH_OUT_MIN_BYTES, where tiles also
+    prefetch their next output lines."""
     gen = torch.Generator().manual_seed(0)
     w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     out = torch.full((m, ldc), float("nan"))

@@ -38,18 +38,14 @@
  * T2 hint (into L2 on AMD and Intel cores), from which the lines fall into
  * the L3 to wait there. T0 cost the GEMM more for the same gain.
  *
- * Output lines: a tile's 8 rows x 48 columns of C are 24 lines in 8 rows far
- * apart. Where C is larger than the caches keep (the LM head's 64 x 49,152
- * float32 logits, 12.6 MB), every tile's stores missed and waited on their
- * lines' reads; each tile now prefetches, for writing, the lines of the same
- * rows in the next panel, which this thread computes next: at the head's
- * shape 1.11-1.12x; at the MLP's, whose C stays in L2, 0.93-1.0x, so only
- * past PREFETCH_OUT_MIN_BYTES of C (docs/optimization_log.md).
+ * Output lines: as packed_gemm's float32 kernel does past
+ * PREFETCH_OUT_MIN_BYTES of C, each tile first prefetches, for writing, the
+ * 24 lines (8 rows x 48 columns) of the same rows in the next panel, which
+ * this thread computes next: at the LM head's shape 1.15-1.16x.
  */
 
 #ifndef PAGEDSERVE_WARM_CURSOR
 #define PAGEDSERVE_WARM_CURSOR
-#define PREFETCH_OUT_MIN_BYTES (4 << 20)
 /* Where a thread is in its share of the spans to warm. */
 struct warm_cursor {
     const char *const *span; /* the span being warmed */

@@ -51,6 +51,13 @@
 #define MC 256         /* rows per chunk sharing one pass over the weights */
 #define PREFETCH_K 8   /* prefetch the panel this many k steps ahead */
 #define PREFETCH_MAX_PANEL (384 * 1024) /* bytes; larger panels are not prefetched ahead */
+/* C at least this large: each tile first prefetches, for writing, the output
+ * lines its thread's next tile (same rows, next panel) will store. A C that
+ * outgrows the caches (the LM head's 64 x 49,152 logits, 12.6 MB) left every
+ * tile's stores waiting on their lines' reads: 1.07x on that shape here,
+ * 1.15x in the bf16 dot kernel; a C that stays in L2 gains nothing and
+ * loses up to 7% to the extra instructions (docs/optimization_log.md). */
+#define PREFETCH_OUT_MIN_BYTES (4 << 20)
 
 /* M rows cut into equal chunks of at most max_rows (>= tile_rows) rows,
  * each a whole number of tile_rows-row tiles (the last one may be shorter).
@@ -142,6 +149,7 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
     const struct row_split rs = equal_chunks(M, MC, MR);
     const int mcr = rs.rows, chunks = rs.chunks;
     const int64_t panel_bytes = (int64_t)K * NR * 4;
+    const int pf_out = (int64_t)M * N * (int64_t)sizeof(float) >= PREFETCH_OUT_MIN_BYTES;
     /* Each thread takes one contiguous run of the (row chunk, panel) pairs,
      * as a static schedule would, but knows where its run ends: the panel
      * after its last one belongs to another thread, which reads it itself. */
@@ -162,6 +170,10 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
             const char *next = (const char *)(panel + (int64_t)K * NR);
             for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
+                if (pf_out)
+                    for (int i = 0; i < mr; i++)
+                        for (int b = 0; b < NR * 4; b += 64)
+                            __builtin_prefetch((const char *)(c + (m + i) * ldc + (p + 1) * NR) + b, 1, 3);
                 tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols,
                           next + (int64_t)t * share * 64, share, 0);
             }
