@@ -536,7 +536,9 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 
 /* packed_gemm_bf16_dot that also prefetches num_spans spans of span_bytes
  * bytes each, spans[i] the first (bf16_dot_gemm.h: warming), into the cache
- * while it computes; the result is packed_gemm_bf16_dot's, bit for bit. */
+ * while it computes; the result is packed_gemm_bf16_dot's, bit for bit.
+ * Returns as it does, or -4 (nothing run) for a negative num_spans, or spans
+ * to warm without a list or with span_bytes <= 0. */
 int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                               const float *bias, int M, int N, int K, int native, int num_threads,
                               const char *const *spans, int64_t num_spans, int64_t span_bytes)
