@@ -8,7 +8,9 @@ calls, the model's packed weights and the KV cache once, and per step the
 step's tensors; the driver runs every layer and the final norm in
 DecoderLayer.forward's order. The result is the Python path's bit for bit
 (tests/test_decoder_stack.py), so nothing else changes: default and
---deterministic modes, routes, logging.
+--deterministic modes, routes, logging. One thing the Python path does not
+do: on the bf16 dot route each layer's GEMMs prefetch the key blocks the
+next layer's attention will read (`warm_bytes`; decoder_stack.c says why).
 
 Where it applies (`DecoderStack.build` says None otherwise, and
 `DecoderStack.forward` returns None for a step it does not take):
@@ -201,6 +203,7 @@ class DecoderStack:
             eps=cfg.rms_norm_eps,
             scale=first.scale,
         )
+        log.info("decoder_stack_warming", key_bytes_per_layer=self._model.warm_bytes)
         # Layer tables by row count and by routes; None where a route is not
         # native. A table holds raw pointers into the packed weights: each
         # entry keeps the PackedWeights it was built from alive beside it.

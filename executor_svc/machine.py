@@ -47,9 +47,9 @@ def cache_bytes(
     """The bytes of the cache `levels` (default L2 and L3) the given CPUs
     (default: those this process may run on) reach, each cache instance
     counted once however many CPUs share it; None where Linux does not say
-    (no sysfs). All of L2 and L3 is what a weight must outgrow to come from memory at every step: one L3
-    of a many-chiplet EPYC is a fraction of the CPU's, and non-inclusive L2s
-    hold data an L3 no longer does."""
+    (no sysfs). All of L2 and L3 is what a weight must outgrow to come from
+    memory at every step: one L3 of a many-chiplet EPYC is a fraction of the
+    CPU's, and non-inclusive L2s hold data an L3 no longer does."""
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     seen, total = set(), 0
