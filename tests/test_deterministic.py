@@ -222,7 +222,9 @@ def test_bfloat16_streams_resume_bit_identically_after_an_executor_sigkill(engli
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(run, j) for j in jobs]
             steps_before = c.server_status().num_steps
+            deadline = time.monotonic() + 60  # bounded: a wait that cannot end hangs the suite
             while c.server_status().num_steps < steps_before + 6:
+                assert time.monotonic() < deadline, "the engine did not take 6 steps in 60 s"
                 time.sleep(0.02)
             s.executor.send_signal(signal.SIGKILL)
             s.executor.wait()

@@ -40,7 +40,9 @@ def test_executor_sigkill_mid_generation_resumes_every_stream_identically(englis
         with ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(run, p) for p in jobs]
             steps_before = c.server_status().num_steps
+            deadline = time.monotonic() + 60  # bounded: a wait that cannot end hangs the suite
             while c.server_status().num_steps < steps_before + 4:
+                assert time.monotonic() < deadline, "the engine did not take 4 steps in 60 s"
                 time.sleep(0.02)
             s.executor.send_signal(signal.SIGKILL)
             s.executor.wait()
@@ -95,7 +97,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60  # bounded: a wait that cannot end hangs the suite
         while c.server_status().num_running < 4:
+            assert not errors, f"a request failed before the four ran together: {errors[0]}"
+            assert time.monotonic() < deadline, "the four requests never ran together"
             time.sleep(0.01)
         s.scheduler.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5

@@ -412,13 +412,21 @@ def test_seed_reproduces_alone_and_amid_other_traffic(client):
                 stream,
                 client,
                 f"Background request {i}: tell me about rivers.",
-                max_tokens=16 + 2 * i,
+                max_tokens=48 + 2 * i,
                 temperature=1.0,
                 ignore_eos=True,
             )
             for i in range(5)
         ]
+        # Bounded: an unbounded wait hung a suite run on a busy host, the five
+        # done (or one failed) before a poll saw them all running.
+        deadline = time.monotonic() + 60
         while client.server_status().num_running < 5:
+            for f in noise:
+                if f.done():
+                    f.result()  # a failed background request raises here
+                    pytest.fail("a background request finished before the five ran together")
+            assert time.monotonic() < deadline, "the five background requests never ran together"
             time.sleep(0.01)
         amid = pool.submit(run).result()
         for f in noise:
