@@ -68,9 +68,7 @@ static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
             acc[i][j] = init;
     }
     if (pf_out)
-        for (int i = 0; i < mr; i++)
-            for (int b = 0; b < NR * 4; b += 64)
-                __builtin_prefetch((const char *)(c_out + i * ldc + NR) + b, 1, 3);
+        prefetch_next_outputs(c_out, ldc, mr);
     const int steps = K / 2;
     int pf_err = 0, warm_err = 0;
     const char *const *span = warm->span;

@@ -59,6 +59,14 @@
  * loses up to 7% to the extra instructions (docs/optimization_log.md). */
 #define PREFETCH_OUT_MIN_BYTES (4 << 20)
 
+/* That prefetch: the NR columns after c_out in each of mr rows, for writing. */
+static inline void prefetch_next_outputs(const float *c_out, int64_t ldc, int mr)
+{
+    for (int i = 0; i < mr; i++)
+        for (int b = 0; b < NR * 4; b += 64)
+            __builtin_prefetch((const char *)(c_out + i * ldc + NR) + b, 1, 3);
+}
+
 /* M rows cut into equal chunks of at most max_rows (>= tile_rows) rows,
  * each a whole number of tile_rows-row tiles (the last one may be shorter).
  * Threads take equal runs of (chunk, panel) items, so equal chunks are what
@@ -171,9 +179,7 @@ int packed_gemm(float *c, int64_t ldc, const float *a, int64_t lda, const float 
             for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
                 const int mr = m_end - m < MR ? m_end - m : MR;
                 if (pf_out)
-                    for (int i = 0; i < mr; i++)
-                        for (int b = 0; b < NR * 4; b += 64)
-                            __builtin_prefetch((const char *)(c + (m + i) * ldc + (p + 1) * NR) + b, 1, 3);
+                    prefetch_next_outputs(c + m * ldc + p * NR, ldc, mr);
                 tile_rows(mr, c + m * ldc + p * NR, ldc, a + m * lda, lda, panel, bias_p, K, ncols,
                           next + (int64_t)t * share * 64, share, 0);
             }
