@@ -87,6 +87,12 @@ class ExecutorConfig:
         "Not with --deterministic.",
     )
     num_threads: int = option(0, help="torch CPU threads (0 = default).", check=at_least(0))
+    enforce_eager: bool = option(
+        False,
+        help="CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start-up "
+        "(one graph per padded batch size up to the scheduler's max_num_seqs; executor_svc/cuda_graphs.py). "
+        "Slower: a small model's decode step is bound by kernel launches.",
+    )
     # Batch-invariant kernels (docs/determinism.md).
     deterministic: bool = option(
         False,

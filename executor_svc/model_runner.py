@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionMetadata
+from executor_svc.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from executor_svc.decoder_stack import DecoderStack
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
@@ -73,6 +74,7 @@ class ModelRunner:
         self.table = RequestTable(block_size, self.num_blocks, vocab_size)
         # The layers of decode steps in one native call where this model and cache allow it.
         self.stack = DecoderStack.build(model, kv_caches) if decoder_stack and device.type == "cpu" else None
+        self.graphs: DecodeGraphs | None = None  # CUDA: set by capture_decode_graphs
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -147,8 +149,23 @@ class ModelRunner:
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu
 
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA: decode steps of up to max_num_seqs requests replay captured graphs from here on (cuda_graphs.py)."""
+        self.graphs = capture_decode_graphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            self.attn_backend.prepare,
+            max_num_seqs,
+            -(-max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+        )
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model's forward over this runner's KV cache, through its decoder stack where it has one."""
+        """The model's forward over this runner's KV cache: a captured graph's for
+        decode steps where there is one, else through its decoder stack where it has one."""
+        if self.graphs is not None and (out := self.graphs.replay(input_ids, positions, meta)) is not None:
+            return out
         if self.stack is None:
             return self.model(input_ids, positions, self.kv_caches, meta)
         return self.model(input_ids, positions, self.kv_caches, meta, self.stack)

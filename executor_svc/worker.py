@@ -202,6 +202,22 @@ class Worker:
             self.tp,
         )
 
+    def _capture_graphs(self, max_num_seqs: int) -> None:
+        """CUDA graphs for decode steps, where they can replay this runner's forward."""
+        why_not = (
+            "--enforce-eager"
+            if self.config.enforce_eager
+            else "tensor parallel"
+            if self.tp is not None
+            else f"{self.attn_backend.name} attention plans on the host"
+            if self.attn_backend.name != "triton"
+            else None
+        )
+        if why_not:
+            log.info("cuda_graphs_off", why=why_not)
+            return
+        self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
         """Sizes and allocates KV memory for `block_size`; drops all request state.
 
@@ -236,6 +252,8 @@ class Worker:
             sampler_for(self.device, self.config.deterministic),
             decoder_stack=self.config.decoder_stack == "auto",
         )
+        if self.device.type == "cuda":
+            self._capture_graphs(max_num_seqs)
         self._sized_for = sized_for
         self._info = HandshakeInfo(
             model=self.model_config,

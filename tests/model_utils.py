@@ -73,10 +73,10 @@ def same_weights(model, backend, dtype: torch.dtype | None = None):
     return twin.eval()
 
 
-def load_hf_folder(folder: str, backend, dtype: torch.dtype = torch.float32):
+def load_hf_folder(folder: str, backend, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Our model from an HF folder without a tokenizer (the tiny test models have none)."""
     checkpoint = HFCheckpoint(folder)
-    model = LlamaForCausalLM(checkpoint.config, backend, dtype=dtype)
+    model = LlamaForCausalLM(checkpoint.config, backend, dtype=dtype, device=device)
     model.load_weights(checkpoint.tensor)
     return model.eval()
 

@@ -1,0 +1,151 @@
+"""Decode steps through CUDA graphs' static buffers (executor_svc/cuda_graphs.py).
+
+Without a GPU the capture is replaced by a closure that runs the same
+forward eagerly over the same static buffers and the metadata prepared at
+"capture" time, which is what a replay computes: these tests check the
+bookkeeping around the graphs (sizes, copies into the buffers, padding
+rows, steps that must not replay) with Triton attention in its interpreter.
+On a GPU the real capture runs (test_graph_replay_matches_eager_on_cuda and
+bench/cuda_check.py, which runs the servers with graphs against transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_utils import DEVICE, ON_GPU, triton_backend
+from model_utils import load_hf_folder, save_tiny_hf_model
+
+from executor_svc.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor_svc.kv_cache import allocate_kv_caches
+from executor_svc.model_runner import ModelRunner
+from shared.sampling_params import SamplingParams
+from shared.step_plan import CachedRequestData, NewRequestData, StepPlan
+
+BLOCK = 16
+MAX_SEQS = 5
+MAX_LEN = 256
+NUM_BLOCKS = 40
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 5, 8, 9, 16, 17, 100, 256])
+def test_every_batch_size_has_a_graph_at_most_15_rows_larger(max_batch):
+    sizes = graph_batch_sizes(max_batch)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1
+    for b in range(1, max_batch + 1):
+        size = next(s for s in sizes if s >= b)
+        assert size - b < 16 and (b > 8 or size < 2 * b)
+    assert sizes[-1] - max_batch < 16
+
+
+@pytest.fixture
+def eager_capture(monkeypatch):
+    """On CPU: a 'replay' runs the forward over the static buffers, as the graph would."""
+    if ON_GPU:
+        return
+    replays = []
+
+    def capture(self, forward, size, meta, pool):
+        ids, pos = self.input_ids[:size], self.positions[:size]
+
+        def run():
+            replays.append(size)
+            return forward(ids, pos, meta)
+
+        return run, None
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    return replays
+
+
+def runner(folder, graphs: bool) -> ModelRunner:
+    backend = triton_backend()
+    model = load_hf_folder(folder, backend, device=DEVICE)
+    caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK, torch.float32, torch.device(DEVICE))
+    r = ModelRunner(model, caches, BLOCK, model.config.vocab_size, torch.device(DEVICE), backend)
+    if graphs:
+        r.capture_decode_graphs(MAX_SEQS, MAX_LEN)
+        assert r.graphs is not None
+    return r
+
+
+def plans():
+    """Prefills, then decodes of 5, 3 (padded to 4), 5 again, 2, 1 requests, and a mixed step."""
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    prompts = {f"r{i}": [3 + (7 * i + j) % 300 for j in range(10 + 9 * i)] for i in range(MAX_SEQS)}
+    blocks = {rid: list(range(1 + 6 * i, 7 + 6 * i)) for i, rid in enumerate(prompts)}
+    computed = {rid: len(p) for rid, p in prompts.items()}
+    yield StepPlan(1, [NewRequestData(rid, p, len(p), greedy, blocks[rid], 0, len(p)) for rid, p in prompts.items()])
+    step = 2
+    for alive in (list(prompts), ["r0", "r2", "r4"], ["r0", "r2", "r4"], ["r2", "r4"], ["r4"]):
+        finished = [rid for rid in prompts if rid not in alive and computed[rid] is not None]
+        for rid in finished:
+            computed[rid] = None
+        yield StepPlan(
+            step,
+            cached_requests=CachedRequestData(
+                alive, [[] for _ in alive], [computed[r] for r in alive], [1] * len(alive)
+            ),
+            finished_request_ids=finished,
+        )
+        for rid in alive:
+            computed[rid] += 1
+        step += 1
+    # A prefill beside a decode: eager.
+    new = NewRequestData("r9", list(range(5, 30)), 25, greedy, [31, 32], 0, 25)
+    yield StepPlan(step, [new], CachedRequestData(["r4"], [[]], [computed["r4"]], [1]))
+
+
+def test_decodes_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_capture):
+    save_tiny_hf_model("llama_tied", str(tmp_path))
+    eager, graphed = runner(str(tmp_path), False), runner(str(tmp_path), True)
+    for plan in plans():
+        a, b = eager.execute(plan), graphed.execute(plan)
+        assert not a.error and not b.error, (a.error, b.error)
+        assert a.sampled == b.sampled
+        # Padded to another row count, a GEMM may sum in another order: equal to rounding.
+        for rid, lp in a.logprobs.items():
+            assert [t for t, _ in lp.top] == [t for t, _ in b.logprobs[rid].top]
+            assert [x for _, x in lp.top] == pytest.approx([x for _, x in b.logprobs[rid].top], abs=1e-4)
+    if not ON_GPU:
+        # Decodes of 5, 3, 3, 2, 1 requests replayed sizes 5, 4, 4, 2, 1; the prefill and mixed steps did not.
+        assert eager_capture == [5, 4, 4, 2, 1]
+    # The padding rows wrote only into the null block: every other block is the eager runner's.
+    for (ka, va), (kb, vb) in zip(eager.kv_caches, graphed.kv_caches):
+        torch.testing.assert_close(ka[1:], kb[1:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(va[1:], vb[1:], rtol=0, atol=1e-5)
+
+
+def test_a_step_wider_than_the_graphs_runs_eagerly(tmp_path, eager_capture):
+    save_tiny_hf_model("llama_tied", str(tmp_path))
+    r = runner(str(tmp_path), True)
+    ids = torch.zeros(MAX_SEQS + 1, dtype=torch.int64, device=DEVICE)
+    from executor_svc.attention.metadata import AttentionMetadata
+
+    meta = AttentionMetadata(
+        num_tokens=MAX_SEQS + 1,
+        slot_mapping=ids,
+        query_start_loc=torch.arange(MAX_SEQS + 2, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.ones(MAX_SEQS + 1, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(MAX_SEQS + 1, 1, dtype=torch.int32, device=DEVICE),
+        max_query_len=1,
+        max_seq_len=1,
+        block_size=BLOCK,
+        query_lens_cpu=[1] * (MAX_SEQS + 1),
+        seq_lens_cpu=[1] * (MAX_SEQS + 1),
+    )
+    assert r.graphs.replay(ids, ids, meta) is None  # more requests than the largest graph
+    wide = MAX_LEN // BLOCK + 1
+    meta.block_tables = torch.zeros(MAX_SEQS + 1, wide, dtype=torch.int32, device=DEVICE)
+    assert r.graphs.replay(ids[:2], ids[:2], meta) is None
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU-only refusal")
+def test_a_failed_capture_leaves_the_runner_eager(tmp_path, monkeypatch):
+    """Where an op cannot be captured the executor keeps serving, eagerly (here: no CUDA at all)."""
+    save_tiny_hf_model("llama_tied", str(tmp_path))
+    r = runner(str(tmp_path), False)
+    r.capture_decode_graphs(MAX_SEQS, MAX_LEN)
+    assert r.graphs is None
+    (plan, *_rest) = plans()
+    assert not r.execute(plan).error
