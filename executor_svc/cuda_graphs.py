@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs (CUDA, Triton attention).
 
-A decode step launches some 25 kernels a layer. On an H200 the 30 layers of
+A decode step launches some 30 kernels a layer. On an H200 the 30 layers of
 a SmolLM2-135M-shaped model took 16 ms of CPU time to launch while the GPU
 was busy for 2.4 ms of it, whatever the batch (1, 64 or 256 requests): the
 step was bound by launches, not by the GPU (docs/optimization_log.md, "The
