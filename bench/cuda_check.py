@@ -184,15 +184,22 @@ def startup_facts(servers: Servers) -> list[str]:
     return [line[:400] for line in servers.logs("executor").splitlines() if any(k in line for k in keys)][:20]
 
 
+def device_for(cpu_smoke: bool) -> str | None:
+    """The device: cpu for --cpu-smoke, else cuda, or None (said why) without a GPU."""
+    if not cpu_smoke and not torch.cuda.is_available():
+        print("no CUDA device (use --cpu-smoke to check the script on CPU)")
+        return None
+    return "cpu" if cpu_smoke else "cuda"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args(argv)
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        print("no CUDA device (use --cpu-smoke to check the script on CPU)")
+    device = device_for(args.cpu_smoke)
+    if device is None:
         return 2
-    device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     result, failures = dict(device=device), []

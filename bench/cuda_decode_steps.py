@@ -91,11 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args(argv)
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        print("no CUDA device (use --cpu-smoke to check the script on CPU)")
+    device = cuda_check.device_for(args.cpu_smoke)
+    if device is None:
         return 2
     configure_logging("warning")
-    device = "cpu" if args.cpu_smoke else "cuda"
     batches = [int(b) for b in args.batch_sizes.split(",")]
     folder = tempfile.mkdtemp(prefix="cuda-steps-")
     vocab = cuda_check.save_model(folder, args.cpu_smoke)

@@ -28,12 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import structlog
 import torch
 
 from executor_svc.attention.metadata import AttentionMetadata
-
-log = structlog.get_logger()
 
 NULL_SLOT = 0  # slot 0 of the null block: where the padding rows' keys and values go
 
@@ -128,21 +125,3 @@ class DecodeGraphs:
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].zero_()
         return self.runs[size]()[:b]
-
-
-def capture_decode_graphs(
-    forward: Forward,
-    prepare: Callable[[AttentionMetadata], None],
-    max_batch: int,
-    max_blocks_per_seq: int,
-    block_size: int,
-    device: torch.device,
-) -> DecodeGraphs | None:
-    """The graphs, or None (logged) where capturing failed: the steps then run eagerly."""
-    try:
-        graphs = DecodeGraphs(forward, prepare, max_batch, max_blocks_per_seq, block_size, device)
-    except Exception as e:  # an op that cannot be captured must cost speed, not the executor
-        log.warning("cuda_graphs_failed", error=f"{type(e).__name__}: {e}")
-        return None
-    log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, max_blocks_per_seq=max_blocks_per_seq)
-    return graphs

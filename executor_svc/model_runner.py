@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionMetadata
-from executor_svc.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.decoder_stack import DecoderStack
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
@@ -151,15 +151,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA: decode steps of up to max_num_seqs requests replay captured graphs from here on (cuda_graphs.py)."""
-        self.graphs = capture_decode_graphs(
-            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-            self.attn_backend.prepare,
-            max_num_seqs,
-            -(-max_model_len // self.block_size),
-            self.block_size,
-            self.device,
-        )
+        """CUDA: decode steps of up to max_num_seqs requests replay captured graphs
+        from here on (cuda_graphs.py); where capturing fails, logged, they stay eager."""
+        try:
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                self.attn_backend.prepare,
+                max_num_seqs,
+                -(-max_model_len // self.block_size),
+                self.block_size,
+                self.device,
+            )
+        except Exception as e:  # an op that cannot be captured must cost speed, not the executor
+            log.warning("cuda_graphs_failed", error=f"{type(e).__name__}: {e}")
+            self.graphs = None
+            return
+        log.info("cuda_graphs_captured", batch_sizes=self.graphs.sizes, max_model_len=max_model_len)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over this runner's KV cache: a captured graph's for
