@@ -29,8 +29,10 @@ running the same folder on the same GPU in the same dtype.
 2. Throughput: the headline workload's shape (prompts 64-512, outputs
    32-256, ignore_eos, greedy) at 64 and 512 requests in bfloat16, output
    tokens per second, with graphs and with --enforce-eager.
-3. --deterministic (bfloat16): a request alone and amid 63 others gives the
-   same tokens; the same 64-request throughput beside the default's.
+3. --deterministic (bfloat16): a request alone, amid 11 and amid 63 others
+   gives the same tokens, and graphs the same tokens and logprobs as
+   --enforce-eager; the 64-request throughput beside the default's.
+Every run must have captured CUDA graphs exactly where asked.
 
 Prints a line per check, writes JSON to --out-dir, ends "ALL OK" (exit 0)
 or lists the failures (exit 1).
@@ -184,6 +186,15 @@ def startup_facts(servers: Servers) -> list[str]:
     return [line[:400] for line in servers.logs("executor").splitlines() if any(k in line for k in keys)][:20]
 
 
+def graphs_as_asked(label: str, device: str, eager: bool, servers: Servers) -> list[str]:
+    """A failure unless the executor captured CUDA graphs exactly where asked (never on CPU)."""
+    log = servers.logs("executor")
+    captured, failed = "cuda_graphs_captured" in log, "cuda_graphs_failed" in log
+    if failed or captured != (device == "cuda" and not eager):
+        return [f"{label}: CUDA graphs captured={captured} failed={failed}, expected {not eager} on {device}"]
+    return []
+
+
 def device_for(cpu_smoke: bool) -> str | None:
     """The device: cpu for --cpu-smoke, else cuda, or None (said why) without a GPU."""
     if not cpu_smoke and not torch.cuda.is_available():
@@ -221,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             first = ours(s.public_addr, prompts)
             again = ours(s.public_addr, prompts)
             facts = startup_facts(s)
+            failures += graphs_as_asked(label, device, "--enforce-eager" in flags, s)
             tput = {}
             if dtype == "bfloat16":
                 for n in (64, 512):
@@ -262,22 +274,35 @@ def main(argv: list[str] | None = None) -> int:
     result["graphs_over_eager"] = {n: graphs[n]["output_tok_per_s"] / eager[n]["output_tok_per_s"] for n in graphs}
     print(f"CUDA graphs / --enforce-eager, output tok/s: {result['graphs_over_eager']}", flush=True)
 
-    # --deterministic: batch invariance through the real servers, and its cost.
-    with Servers(executor_args=[*base, "--dtype", "bfloat16", "--deterministic"]) as s:
-        alone = ours(s.public_addr, prompts[5:6])[0][0]
+    # --deterministic: batch invariance through the real servers, its cost,
+    # and that replaying graphs changes no bit of it.
+    det = [*base, "--dtype", "bfloat16", "--deterministic"]
+    with Servers(executor_args=det) as s:
+        failures += graphs_as_asked("--deterministic", device, False, s)
+        together = ours(s.public_addr, prompts)
+        alone = ours(s.public_addr, prompts[5:6])[0]
         crowd = [prompts[5]] + [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 300))] for _ in range(63)]
-        amid = ours(s.public_addr, crowd)[0][0]
+        amid = ours(s.public_addr, crowd)[0]
         det_tput = throughput(s.public_addr, max(2, int(64 * scale)), vocab, seed=64)
-    invariant = alone == amid
+    with Servers(executor_args=[*det, "--enforce-eager"]) as s:
+        eager_together = ours(s.public_addr, prompts)
+    invariant = alone == amid == together[5]
+    same_as_eager = together == eager_together
     if not invariant:
-        failures.append("--deterministic: a request amid 63 others gave other tokens than alone")
+        failures.append("--deterministic: a request alone, amid 63 others and amid the 11 others differed")
+    if not same_as_eager:
+        failures.append("--deterministic: tokens or logprobs differ between graphs and --enforce-eager")
     base_tput = result["bfloat16"]["throughput"][64]["output_tok_per_s"]
     result["deterministic"] = dict(
-        invariant=invariant, throughput=det_tput, ratio_to_default=det_tput["output_tok_per_s"] / base_tput
+        invariant=invariant,
+        same_as_eager=same_as_eager,
+        throughput=det_tput,
+        ratio_to_default=det_tput["output_tok_per_s"] / base_tput,
     )
     print(
-        f"--deterministic: alone == amid 63 others: {invariant}; 64 requests {det_tput['output_tok_per_s']:.0f} output tok/s "
-        f"({result['deterministic']['ratio_to_default']:.2f}x the default's)",
+        f"--deterministic: alone == amid 63 others == amid 11: {invariant}; graphs == --enforce-eager, "
+        f"tokens and logprobs of 12 prompts: {same_as_eager}; 64 requests {det_tput['output_tok_per_s']:.0f} "
+        f"output tok/s ({result['deterministic']['ratio_to_default']:.2f}x the default's)",
         flush=True,
     )
 

@@ -152,7 +152,11 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """CUDA: decode steps of up to max_num_seqs requests replay captured graphs
-        from here on (cuda_graphs.py); where capturing fails, logged, they stay eager."""
+        from here on (cuda_graphs.py); where capturing fails, logged, they stay eager.
+        Their memory (static buffers and the graphs' pool, logged) comes out of what
+        --gpu-memory-utilization leaves free: the KV cache was sized before them."""
+        on_cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         try:
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
@@ -166,7 +170,8 @@ class ModelRunner:
             log.warning("cuda_graphs_failed", error=f"{type(e).__name__}: {e}")
             self.graphs = None
             return
-        log.info("cuda_graphs_captured", batch_sizes=self.graphs.sizes, max_model_len=max_model_len)
+        added = torch.cuda.memory_reserved(self.device) - reserved if on_cuda else 0
+        log.info("cuda_graphs_captured", batch_sizes=self.graphs.sizes, memory_mib=round(added / 2**20, 1))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over this runner's KV cache: a captured graph's for

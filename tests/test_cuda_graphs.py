@@ -5,18 +5,20 @@ forward eagerly over the same static buffers and the metadata prepared at
 "capture" time, which is what a replay computes: these tests check the
 bookkeeping around the graphs (sizes, copies into the buffers, padding
 rows, steps that must not replay) with Triton attention in its interpreter.
-On a GPU the real capture runs (test_graph_replay_matches_eager_on_cuda and
-bench/cuda_check.py, which runs the servers with graphs against transformers).
+On a GPU the same tests capture real graphs (bench/cuda_check.py runs the
+servers with graphs against transformers there).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from attention_utils import DEVICE, ON_GPU, triton_backend
 from model_utils import load_hf_folder, save_tiny_hf_model
 
-from executor_svc.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor_svc.cuda_graphs import NULL_SLOT, DecodeGraphs, graph_batch_sizes
 from executor_svc.kv_cache import allocate_kv_caches
 from executor_svc.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -70,30 +72,40 @@ def runner(folder, graphs: bool) -> ModelRunner:
 
 
 def plans():
-    """Prefills, then decodes of 5, 3 (padded to 4), 5 again, 2, 1 requests, and a mixed step."""
+    """Prefills; decodes of 5 requests; r1 and r3 finish and r5 takes r3's blocks (a mixed step,
+    eager); decodes of 3 (padded to 4: the padding row is the one r3 held, whose old slot is now
+    r5's), then 4 with r5, then 2 and 1."""
     greedy = SamplingParams(temperature=0.0, logprobs=2)
     prompts = {f"r{i}": [3 + (7 * i + j) % 300 for j in range(10 + 9 * i)] for i in range(MAX_SEQS)}
     blocks = {rid: list(range(1 + 6 * i, 7 + 6 * i)) for i, rid in enumerate(prompts)}
     computed = {rid: len(p) for rid, p in prompts.items()}
-    yield StepPlan(1, [NewRequestData(rid, p, len(p), greedy, blocks[rid], 0, len(p)) for rid, p in prompts.items()])
-    step = 2
-    for alive in (list(prompts), ["r0", "r2", "r4"], ["r0", "r2", "r4"], ["r2", "r4"], ["r4"]):
-        finished = [rid for rid in prompts if rid not in alive and computed[rid] is not None]
-        for rid in finished:
-            computed[rid] = None
-        yield StepPlan(
-            step,
-            cached_requests=CachedRequestData(
-                alive, [[] for _ in alive], [computed[r] for r in alive], [1] * len(alive)
-            ),
-            finished_request_ids=finished,
+    steps = iter(range(1, 100))
+
+    def decode(rids, new=(), finished=()):
+        plan = StepPlan(
+            next(steps),
+            list(new),
+            CachedRequestData(list(rids), [[] for _ in rids], [computed[r] for r in rids], [1] * len(rids)),
+            finished_request_ids=list(finished),
         )
-        for rid in alive:
+        for rid in rids:
             computed[rid] += 1
-        step += 1
-    # A prefill beside a decode: eager.
-    new = NewRequestData("r9", list(range(5, 30)), 25, greedy, [31, 32], 0, 25)
-    yield StepPlan(step, [new], CachedRequestData(["r4"], [[]], [computed["r4"]], [1]))
+        return plan
+
+    yield StepPlan(
+        next(steps), [NewRequestData(r, p, len(p), greedy, blocks[r], 0, len(p)) for r, p in prompts.items()]
+    )
+    yield decode(list(prompts))
+    # r5's prompt covers r3's last decoded slot, so a padding row replaying r3 would overwrite r5's keys there.
+    r5 = [5 + j % 250 for j in range(computed["r3"] + 4)]
+    computed["r5"] = len(r5)
+    yield decode(
+        ["r0", "r2", "r4"], [NewRequestData("r5", r5, len(r5), greedy, blocks["r3"], 0, len(r5))], ["r1", "r3"]
+    )
+    yield decode(["r0", "r2", "r4"])
+    yield decode(["r0", "r2", "r4", "r5"])
+    yield decode(["r4", "r5"], finished=["r0", "r2"])
+    yield decode(["r5"], finished=["r4"])
 
 
 def test_decodes_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_capture):
@@ -103,12 +115,16 @@ def test_decodes_through_the_graph_buffers_match_the_eager_runner(tmp_path, eage
         a, b = eager.execute(plan), graphed.execute(plan)
         assert not a.error and not b.error, (a.error, b.error)
         assert a.sampled == b.sampled
+        rows, graphs = len(plan.cached_requests), graphed.graphs
+        if not plan.new_requests and rows < graphs.sizes[-1]:
+            size = next(s for s in graphs.sizes if s >= rows)
+            assert (graphs.slot_mapping[rows:size] == NULL_SLOT).all(), "padding rows must write to the null block"
         # Padded to another row count, a GEMM may sum in another order: equal to rounding.
         for rid, lp in a.logprobs.items():
             assert [t for t, _ in lp.top] == [t for t, _ in b.logprobs[rid].top]
             assert [x for _, x in lp.top] == pytest.approx([x for _, x in b.logprobs[rid].top], abs=1e-4)
     if not ON_GPU:
-        # Decodes of 5, 3, 3, 2, 1 requests replayed sizes 5, 4, 4, 2, 1; the prefill and mixed steps did not.
+        # Decodes of 5, 3, 4, 2, 1 requests replayed sizes 5, 4, 4, 2, 1; the prefill and mixed steps did not.
         assert eager_capture == [5, 4, 4, 2, 1]
     # The padding rows wrote only into the null block: every other block is the eager runner's.
     for (ka, va), (kb, vb) in zip(eager.kv_caches, graphed.kv_caches):
@@ -135,9 +151,20 @@ def test_a_step_wider_than_the_graphs_runs_eagerly(tmp_path, eager_capture):
         seq_lens_cpu=[1] * (MAX_SEQS + 1),
     )
     assert r.graphs.replay(ids, ids, meta) is None  # more requests than the largest graph
-    wide = MAX_LEN // BLOCK + 1
-    meta.block_tables = torch.zeros(MAX_SEQS + 1, wide, dtype=torch.int32, device=DEVICE)
-    assert r.graphs.replay(ids[:2], ids[:2], meta) is None
+    two = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    wide = dataclasses.replace(
+        meta,
+        num_tokens=2,
+        slot_mapping=two,
+        query_start_loc=meta.query_start_loc[:3],
+        seq_lens=meta.seq_lens[:2],
+        block_tables=torch.zeros(2, MAX_LEN // BLOCK + 1, dtype=torch.int32, device=DEVICE),
+        query_lens_cpu=[1, 1],
+        seq_lens_cpu=[1, 1],
+    )
+    assert r.graphs.replay(two, two, wide) is None  # a block table wider than the graphs' buffer
+    with torch.inference_mode():  # as ModelRunner._execute runs it
+        assert r.graphs.replay(two, two, dataclasses.replace(wide, block_tables=wide.block_tables[:, :1])) is not None
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU-only refusal")
