@@ -181,15 +181,30 @@ class TritonAttentionBackend:
                 raise ValueError(f"{label} must be a power of two, got {v}")
         self.block_q = block_q
         self.block_n = block_n
+        # Decode steps' tiles, (arange, zeros) on the device, sliced per step.
+        self._decode_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         check_metadata(meta)
+        device = meta.seq_lens.device
+        if meta.max_query_len == 1:
+            # Decodes only: tile i is request i's one token. Slices of tensors kept
+            # on the device, not two host-to-device copies a step.
+            n = meta.num_seqs
+            tiles = self._decode_tiles
+            if tiles is None or tiles[0].numel() < n or tiles[0].device != device:
+                size = max(n, 256)
+                tiles = self._decode_tiles = (
+                    torch.arange(size, dtype=torch.int32, device=device),
+                    torch.zeros(size, dtype=torch.int32, device=device),
+                )
+            meta.extra[self.name] = (tiles[0][:n], tiles[1][:n])
+            return
         tile_seq, tile_start = [], []
         for i, q_len in enumerate(meta.query_lens_cpu):
             for start in range(0, q_len, self.block_q):
                 tile_seq.append(i)
                 tile_start.append(start)
-        device = meta.seq_lens.device
         meta.extra[self.name] = (
             torch.tensor(tile_seq, dtype=torch.int32, device=device),
             torch.tensor(tile_start, dtype=torch.int32, device=device),
