@@ -86,18 +86,11 @@ RUNS = (
 
 
 def save_model(folder: str, smoke: bool) -> int:
-    """The random model and a tokenizer of its vocabulary; returns the vocabulary size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The random model and a word-level tokenizer of its vocabulary; returns the vocabulary size."""
+    from tests.model_utils import save_tiny_model_with_tokenizer
 
-    from tests.model_utils import save_tiny_hf_model
-
-    hf = save_tiny_hf_model("llama_tied", folder, **(SMOKE_SHAPE if smoke else SMOLLM2_SHAPE))
-    vocab = hf.config.vocab_size
-    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token="t2").save_pretrained(folder)
-    return vocab
+    hf = save_tiny_model_with_tokenizer(folder, "llama_tied", **(SMOKE_SHAPE if smoke else SMOLLM2_SHAPE))
+    return hf.config.vocab_size
 
 
 def hf_greedy(folder: str, dtype: str, device: str, prompts: list[list[int]]) -> list[dict]:

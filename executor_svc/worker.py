@@ -204,15 +204,13 @@ class Worker:
 
     def _capture_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs for decode steps, where they can replay this runner's forward."""
-        why_not = (
-            "--enforce-eager"
-            if self.config.enforce_eager
-            else "tensor parallel"
-            if self.tp is not None
-            else f"{self.attn_backend.name} attention plans on the host"
-            if self.attn_backend.name != "triton"
-            else None
-        )
+        why_not = None
+        if self.config.enforce_eager:
+            why_not = "--enforce-eager"
+        elif self.tp is not None:
+            why_not = "tensor parallel"
+        elif self.attn_backend.name != "triton":
+            why_not = f"{self.attn_backend.name} attention plans on the host"
         if why_not:
             log.info("cuda_graphs_off", why=why_not)
             return

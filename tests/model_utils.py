@@ -293,13 +293,14 @@ def save_tiny_gguf(hf_model, path: str, quantize: str | None = None) -> None:
     writer.close()
 
 
-def save_tiny_model_with_tokenizer(folder: str, kind: str = "qwen2"):
-    """A tiny random HF model (see save_tiny_hf_model) plus a word-level tokenizer ("t0 t1 ...",
-    EOS "t2"), so a Worker can load the folder as it would a real checkpoint. Returns the HF model."""
+def save_tiny_model_with_tokenizer(folder: str, kind: str = "qwen2", **overrides):
+    """A tiny random HF model (see save_tiny_hf_model, `overrides` its config's) plus a word-level
+    tokenizer ("t0 t1 ...", EOS "t2"), so a Worker can load the folder as it would a real
+    checkpoint. Returns the HF model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    hf = save_tiny_hf_model(kind, folder)
+    hf = save_tiny_hf_model(kind, folder, **overrides)
     backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf.config.vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token="t2").save_pretrained(folder)
