@@ -1,6 +1,7 @@
-"""Decode steps in process on CUDA: replayed CUDA graphs against --enforce-eager.
+"""Decode and mixed steps in process on CUDA: replayed CUDA graphs against --enforce-eager.
 
-    python -m bench.cuda_decode_steps [--batch-sizes 1,64,256] [--context 256] [--steps 30] [--profile]
+    python -m bench.cuda_decode_steps [--batch-sizes 1,64,256] [--context 256] [--steps 30]
+        [--mixed-chunk 256] [--profile]
     python -m bench.cuda_decode_steps --cpu-smoke     # a tiny model on CPU: does the script run?
 
 The executor's Worker (bfloat16, --device cuda, otherwise defaults) over the
@@ -9,7 +10,9 @@ graphs (the default) and once with --enforce-eager. For each batch size B:
 B requests of `--context` random tokens are prefilled, then `--steps`
 decode steps of all B run through ModelRunner.execute, the call the
 executor server makes per step; the median wall time of the steps after
-the first five is printed, twice per batch size. `--profile` adds
+the first five is printed, twice per batch size; then the same with a new
+request's `--mixed-chunk`-token prefill beside the B decodes in every step
+(a mixed step, as a busy server runs most of its steps). `--profile` adds
 torch.profiler's tables (by CPU time, by GPU time) over three eager steps at
 the middle batch size: how many kernels a step launches and how long the
 CPU takes to launch them against the GPU's time running them.
@@ -38,8 +41,11 @@ WARMUP = 5
 PREFILL_CHUNK = 16  # requests per prefill step
 
 
-def decode_steps(worker: Worker, batch: int, context: int, steps: int, vocab: int, ids, profile: bool = False):
-    """(median decode step seconds, profiler or None) for `batch` requests at `context`."""
+def decode_steps(
+    worker: Worker, batch: int, context: int, steps: int, vocab: int, ids, profile: bool = False, chunk: int = 0
+):
+    """(median step seconds, profiler or None) for `batch` requests decoding at `context`,
+    each step beside a new request's `chunk`-token prefill where chunk > 0."""
     runner = worker.runner
     runner.reset()
     blocks_each = (context + steps) // 16 + 2
@@ -61,11 +67,18 @@ def decode_steps(worker: Worker, batch: int, context: int, steps: int, vocab: in
         ]
         result = runner.execute(StepPlan(next(ids), new))
         assert not result.error, result.error
-    computed, wall, prof = context, [], None
+    computed, wall, prof, side = context, [], None, None
+    side_blocks = list(range(1 + batch * blocks_each, 1 + batch * blocks_each + -(-chunk // 16)))
+    side_tokens = torch.randint(3, vocab, (chunk,), generator=gen).tolist()
     for k in range(steps):
+        finished = [side] if side else []
+        side = f"side-{next(ids)}" if chunk else None
+        new = [NewRequestData(side, side_tokens, chunk, GREEDY, side_blocks, 0, chunk)] if chunk else []
         plan = StepPlan(
             next(ids),
+            new,
             cached_requests=CachedRequestData(list(rids), [[] for _ in rids], [computed] * batch, [1] * batch),
+            finished_request_ids=finished,
         )
         if profile and k == steps - 3:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -76,7 +89,7 @@ def decode_steps(worker: Worker, batch: int, context: int, steps: int, vocab: in
         t0 = time.perf_counter()
         result = runner.execute(plan)
         wall.append(time.perf_counter() - t0)
-        assert not result.error and len(result.sampled) == batch, result.error
+        assert not result.error and len(result.sampled) == batch + bool(chunk), result.error
         computed += 1
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -88,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--mixed-chunk", type=int, default=256, help="prefill tokens beside the decodes; 0: skip")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true")
     args = p.parse_args(argv)
@@ -102,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     for eager in (False, True):
         extra = dict(kv_cache_gib=0.2) if args.cpu_smoke else {}
         worker = Worker(ExecutorConfig(model=folder, dtype="bfloat16", device=device, enforce_eager=eager, **extra))
-        worker.configure(block_size=16, max_num_batched_tokens=8192, max_num_seqs=max(batches))
+        # One more request than the largest batch: the mixed steps' new request (a step of more
+        # than max_num_seqs requests, which no scheduler sends, would run eagerly).
+        worker.configure(block_size=16, max_num_batched_tokens=8192, max_num_seqs=max(batches) + 1)
         print(f"== enforce_eager={eager}, graphs captured: {worker.runner.graphs is not None}", flush=True)
         for batch in batches:
             for rep in range(2):
                 step_s, _ = decode_steps(worker, batch, args.context, args.steps, vocab, ids)
                 print(f"batch {batch}: decode step {step_s * 1e3:.2f} ms (rep {rep})", flush=True)
+            for rep in range(2 if args.mixed_chunk else 0):
+                step_s, _ = decode_steps(worker, batch, args.context, args.steps, vocab, ids, chunk=args.mixed_chunk)
+                print(f"batch {batch} + {args.mixed_chunk}-token prefill: step {step_s * 1e3:.2f} ms (rep {rep})")
         if eager and args.profile:
             middle = batches[len(batches) // 2]
             step_s, prof = decode_steps(worker, middle, args.context, args.steps, vocab, ids, profile=True)

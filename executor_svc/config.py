@@ -89,9 +89,10 @@ class ExecutorConfig:
     num_threads: int = option(0, help="torch CPU threads (0 = default).", check=at_least(0))
     enforce_eager: bool = option(
         False,
-        help="CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start-up "
-        "(one graph per padded batch size up to the scheduler's max_num_seqs; executor_svc/cuda_graphs.py). "
-        "Slower: a small model's decode step is bound by kernel launches.",
+        help="CUDA: run every step eagerly instead of replaying the CUDA graphs captured at start-up "
+        "(decode steps by padded batch size up to the scheduler's max_num_seqs, other steps by padded "
+        "token count up to its max_num_batched_tokens or 2,048; executor_svc/cuda_graphs.py). "
+        "Slower: a small model's step is bound by kernel launches.",
     )
     # Batch-invariant kernels (docs/determinism.md).
     deterministic: bool = option(

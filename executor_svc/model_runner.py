@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionMetadata
-from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.cuda_graphs import StepGraphs
 from executor_svc.decoder_stack import DecoderStack
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
@@ -74,7 +74,7 @@ class ModelRunner:
         self.table = RequestTable(block_size, self.num_blocks, vocab_size)
         # The layers of decode steps in one native call where this model and cache allow it.
         self.stack = DecoderStack.build(model, kv_caches) if decoder_stack and device.type == "cpu" else None
-        self.graphs: DecodeGraphs | None = None  # CUDA: set by capture_decode_graphs
+        self.graphs: StepGraphs | None = None  # CUDA: set by capture_graphs
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -150,18 +150,22 @@ class ModelRunner:
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, cu
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA: decode steps of up to max_num_seqs requests replay captured graphs
-        from here on (cuda_graphs.py); where capturing fails, logged, they stay eager.
-        Their memory (static buffers and the graphs' pool, logged) comes out of what
+    def capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """CUDA: decode steps of up to max_num_seqs requests, and other steps of up to
+        max_num_batched_tokens tokens (at most 2,048), replay captured graphs from here on
+        (cuda_graphs.py); where capturing fails, logged, they stay eager. Their memory
+        (static buffers and the graphs' pool, logged) comes out of what
         --gpu-memory-utilization leaves free: the KV cache was sized before them."""
         on_cuda = self.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        start = time.perf_counter()
         try:
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                 self.attn_backend.prepare,
+                self.attn_backend.name,
                 max_num_seqs,
+                max_num_batched_tokens,
                 -(-max_model_len // self.block_size),
                 self.block_size,
                 self.device,
@@ -171,11 +175,17 @@ class ModelRunner:
             self.graphs = None
             return
         added = torch.cuda.memory_reserved(self.device) - reserved if on_cuda else 0
-        log.info("cuda_graphs_captured", batch_sizes=self.graphs.sizes, memory_mib=round(added / 2**20, 1))
+        log.info(
+            "cuda_graphs_captured",
+            batch_sizes=self.graphs.sizes,
+            token_sizes=self.graphs.token_sizes,
+            memory_mib=round(added / 2**20, 1),
+            seconds=round(time.perf_counter() - start, 2),
+        )
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model's forward over this runner's KV cache: a captured graph's for
-        decode steps where there is one, else through its decoder stack where it has one."""
+        """The model's forward over this runner's KV cache: a captured graph's where one
+        fits the step, else through its decoder stack where it has one."""
         if self.graphs is not None and (out := self.graphs.replay(input_ids, positions, meta)) is not None:
             return out
         if self.stack is None:

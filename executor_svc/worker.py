@@ -202,8 +202,8 @@ class Worker:
             self.tp,
         )
 
-    def _capture_graphs(self, max_num_seqs: int) -> None:
-        """CUDA graphs for decode steps, where they can replay this runner's forward."""
+    def _capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """CUDA graphs for steps, where they can replay this runner's forward."""
         why_not = None
         if self.config.enforce_eager:
             why_not = "--enforce-eager"
@@ -214,7 +214,7 @@ class Worker:
         if why_not:
             log.info("cuda_graphs_off", why=why_not)
             return
-        self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len)
+        self.runner.capture_graphs(max_num_seqs, max_num_batched_tokens, self.max_model_len)
 
     def configure(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> HandshakeInfo:
         """Sizes and allocates KV memory for `block_size`; drops all request state.
@@ -251,7 +251,7 @@ class Worker:
             decoder_stack=self.config.decoder_stack == "auto",
         )
         if self.device.type == "cuda":
-            self._capture_graphs(max_num_seqs)
+            self._capture_graphs(max_num_seqs, max_num_batched_tokens)
         self._sized_for = sized_for
         self._info = HandshakeInfo(
             model=self.model_config,

@@ -1,10 +1,10 @@
-"""Decode steps through CUDA graphs' static buffers (executor_svc/cuda_graphs.py).
+"""Steps through CUDA graphs' static buffers (executor_svc/cuda_graphs.py).
 
 Without a GPU the capture is replaced by a closure that runs the same
 forward eagerly over the same static buffers and the metadata prepared at
 "capture" time, which is what a replay computes: these tests check the
 bookkeeping around the graphs (sizes, copies into the buffers, padding
-rows, steps that must not replay) with Triton attention in its interpreter.
+rows and tokens, steps that must not replay) with Triton attention in its interpreter.
 On a GPU the same tests capture real graphs (bench/cuda_check.py runs the
 servers with graphs against transformers there).
 """
@@ -18,7 +18,7 @@ import torch
 from attention_utils import DEVICE, ON_GPU, triton_backend
 from model_utils import load_hf_folder, save_tiny_hf_model
 
-from executor_svc.cuda_graphs import NULL_SLOT, DecodeGraphs, graph_batch_sizes
+from executor_svc.cuda_graphs import NULL_SLOT, StepGraphs, graph_batch_sizes, graph_token_sizes
 from executor_svc.kv_cache import allocate_kv_caches
 from executor_svc.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from shared.step_plan import CachedRequestData, NewRequestData, StepPlan
 BLOCK = 16
 MAX_SEQS = 5
 MAX_LEN = 256
+MAX_TOKENS = 64  # mixed graphs of 16, 24, 32, 48 and 64 tokens
 NUM_BLOCKS = 40
 
 
@@ -40,6 +41,16 @@ def test_every_batch_size_has_a_graph_at_most_15_rows_larger(max_batch):
     assert sizes[-1] - max_batch < 16
 
 
+@pytest.mark.parametrize("max_tokens", [1, 16, 17, 100, 512, 513, 2048, 8192])
+def test_every_token_count_up_to_2048_has_a_graph_at_most_half_again_or_255_tokens_larger(max_tokens):
+    sizes = graph_token_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 16 and sizes[-1] <= 2048
+    for t in range(1, min(max_tokens, 2048) + 1):
+        size = next(s for s in sizes if s >= t)
+        assert size <= max(16, 1.5 * t) or size - t < 256
+    assert max_tokens > 2048 or sizes[-1] < max_tokens + 256
+
+
 @pytest.fixture
 def eager_capture(monkeypatch):
     """On CPU: a 'replay' runs the forward over the static buffers, as the graph would."""
@@ -49,14 +60,15 @@ def eager_capture(monkeypatch):
 
     def capture(self, forward, size, meta, pool):
         ids, pos = self.input_ids[:size], self.positions[:size]
+        kind = "decode" if meta.max_query_len == 1 else "mixed"
 
         def run():
-            replays.append(size)
+            replays.append((kind, size))
             return forward(ids, pos, meta)
 
         return run, None
 
-    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
     return replays
 
 
@@ -66,15 +78,17 @@ def runner(folder, graphs: bool) -> ModelRunner:
     caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK, torch.float32, torch.device(DEVICE))
     r = ModelRunner(model, caches, BLOCK, model.config.vocab_size, torch.device(DEVICE), backend)
     if graphs:
-        r.capture_decode_graphs(MAX_SEQS, MAX_LEN)
+        r.capture_graphs(MAX_SEQS, MAX_TOKENS, MAX_LEN)
         assert r.graphs is not None
     return r
 
 
 def plans():
-    """Prefills; decodes of 5 requests; r1 and r3 finish and r5 takes r3's blocks (a mixed step,
-    eager); decodes of 3 (padded to 4: the padding row is the one r3 held, whose old slot is now
-    r5's), then 4 with r5, then 2 and 1."""
+    """Prefills of 140 tokens (eager: more than MAX_TOKENS); decodes of 5 requests; r1 and r3
+    finish and r5 takes r3's blocks beside 3 decodes (a mixed step, 45 tokens padded to 48);
+    decodes of 3 (padded to 4: the padding row's old slot is r5's); r6 takes r1's blocks beside
+    4 decodes (34 tokens padded to 48: the padding tokens' old slots are r5's and the decodes'
+    of the mixed step before); decodes of 5, then 3 and 1."""
     greedy = SamplingParams(temperature=0.0, logprobs=2)
     prompts = {f"r{i}": [3 + (7 * i + j) % 300 for j in range(10 + 9 * i)] for i in range(MAX_SEQS)}
     blocks = {rid: list(range(1 + 6 * i, 7 + 6 * i)) for i, rid in enumerate(prompts)}
@@ -92,41 +106,47 @@ def plans():
             computed[rid] += 1
         return plan
 
+    def new(rid, length, blocks_of):
+        computed[rid] = length
+        prompt = [5 + (j * 3 + len(rid)) % 250 for j in range(length)]
+        return NewRequestData(rid, prompt, length, greedy, blocks[blocks_of], 0, length)
+
     yield StepPlan(
         next(steps), [NewRequestData(r, p, len(p), greedy, blocks[r], 0, len(p)) for r, p in prompts.items()]
     )
     yield decode(list(prompts))
-    # r5's prompt covers r3's last decoded slot, so a padding row replaying r3 would overwrite r5's keys there.
-    r5 = [5 + j % 250 for j in range(computed["r3"] + 4)]
-    computed["r5"] = len(r5)
-    yield decode(
-        ["r0", "r2", "r4"], [NewRequestData("r5", r5, len(r5), greedy, blocks["r3"], 0, len(r5))], ["r1", "r3"]
-    )
+    yield decode(["r0", "r2", "r4"], [new("r5", 42, "r3")], ["r1", "r3"])
     yield decode(["r0", "r2", "r4"])
-    yield decode(["r0", "r2", "r4", "r5"])
-    yield decode(["r4", "r5"], finished=["r0", "r2"])
-    yield decode(["r5"], finished=["r4"])
+    yield decode(["r0", "r2", "r4", "r5"], [new("r6", 30, "r1")])
+    yield decode(["r0", "r2", "r4", "r5", "r6"])
+    yield decode(["r4", "r5", "r6"], finished=["r0", "r2"])
+    yield decode(["r5"], finished=["r4", "r6"])
 
 
-def test_decodes_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_capture):
+def test_steps_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_capture):
     save_tiny_hf_model("llama_tied", str(tmp_path))
     eager, graphed = runner(str(tmp_path), False), runner(str(tmp_path), True)
+    graphs = graphed.graphs
     for plan in plans():
         a, b = eager.execute(plan), graphed.execute(plan)
         assert not a.error and not b.error, (a.error, b.error)
         assert a.sampled == b.sampled
-        rows, graphs = len(plan.cached_requests), graphed.graphs
-        if not plan.new_requests and rows < graphs.sizes[-1]:
-            size = next(s for s in graphs.sizes if s >= rows)
-            assert (graphs.slot_mapping[rows:size] == NULL_SLOT).all(), "padding rows must write to the null block"
+        rows = len(plan.cached_requests) + len(plan.new_requests)
+        tokens = len(plan.cached_requests) + sum(r.num_scheduled_tokens for r in plan.new_requests)
+        sizes = graphs.token_sizes if plan.new_requests else graphs.sizes
+        if tokens <= sizes[-1]:
+            size = next(s for s in sizes if s >= tokens)
+            assert (graphs.slot_mapping[tokens:size] == NULL_SLOT).all(), "padding must write to the null block"
+            assert rows < graphs.seq_rows
         # Padded to another row count, a GEMM may sum in another order: equal to rounding.
         for rid, lp in a.logprobs.items():
             assert [t for t, _ in lp.top] == [t for t, _ in b.logprobs[rid].top]
             assert [x for _, x in lp.top] == pytest.approx([x for _, x in b.logprobs[rid].top], abs=1e-4)
     if not ON_GPU:
-        # Decodes of 5, 3, 4, 2, 1 requests replayed sizes 5, 4, 4, 2, 1; the prefill and mixed steps did not.
-        assert eager_capture == [5, 4, 4, 2, 1]
-    # The padding rows wrote only into the null block: every other block is the eager runner's.
+        # The 140-token prefill ran eagerly; every other step replayed its padded size.
+        kinds = ["decode", "mixed", "decode", "mixed", "decode", "decode", "decode"]
+        assert eager_capture == list(zip(kinds, [5, 48, 4, 48, 5, 4, 1]))
+    # Padding wrote only into the null block: every other block is the eager runner's.
     for (ka, va), (kb, vb) in zip(eager.kv_caches, graphed.kv_caches):
         torch.testing.assert_close(ka[1:], kb[1:], rtol=0, atol=1e-5)
         torch.testing.assert_close(va[1:], vb[1:], rtol=0, atol=1e-5)
@@ -172,7 +192,7 @@ def test_a_failed_capture_leaves_the_runner_eager(tmp_path, monkeypatch):
     """Where an op cannot be captured the executor keeps serving, eagerly (here: no CUDA at all)."""
     save_tiny_hf_model("llama_tied", str(tmp_path))
     r = runner(str(tmp_path), False)
-    r.capture_decode_graphs(MAX_SEQS, MAX_LEN)
+    r.capture_graphs(MAX_SEQS, MAX_TOKENS, MAX_LEN)
     assert r.graphs is None
     (plan, *_rest) = plans()
     assert not r.execute(plan).error
