@@ -5,7 +5,7 @@
     python -m bench.cuda_decode_steps --cpu-smoke     # a tiny model on CPU: does the script run?
 
 The executor's Worker (bfloat16, --device cuda, otherwise defaults) over the
-random SmolLM2-135M-shaped model of bench/cuda_check.py, once with decode
+random SmolLM2-135M-shaped model of bench/cuda_check.py, once with CUDA
 graphs (the default) and once with --enforce-eager. For each batch size B:
 B requests of `--context` random tokens are prefilled, then `--steps`
 decode steps of all B run through ModelRunner.execute, the call the
@@ -41,7 +41,7 @@ WARMUP = 5
 PREFILL_CHUNK = 16  # requests per prefill step
 
 
-def decode_steps(
+def timed_steps(
     worker: Worker, batch: int, context: int, steps: int, vocab: int, ids, profile: bool = False, chunk: int = 0
 ):
     """(median step seconds, profiler or None) for `batch` requests decoding at `context`,
@@ -122,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== enforce_eager={eager}, graphs captured: {worker.runner.graphs is not None}", flush=True)
         for batch in batches:
             for rep in range(2):
-                step_s, _ = decode_steps(worker, batch, args.context, args.steps, vocab, ids)
+                step_s, _ = timed_steps(worker, batch, args.context, args.steps, vocab, ids)
                 print(f"batch {batch}: decode step {step_s * 1e3:.2f} ms (rep {rep})", flush=True)
             for rep in range(2 if args.mixed_chunk else 0):
-                step_s, _ = decode_steps(worker, batch, args.context, args.steps, vocab, ids, chunk=args.mixed_chunk)
-                print(f"batch {batch} + {args.mixed_chunk}-token prefill: step {step_s * 1e3:.2f} ms (rep {rep})")
+                step_s, _ = timed_steps(worker, batch, args.context, args.steps, vocab, ids, chunk=args.mixed_chunk)
+                print(
+                    f"batch {batch} + {args.mixed_chunk}-token prefill: step {step_s * 1e3:.2f} ms (rep {rep})",
+                    flush=True,
+                )
         if eager and args.profile:
             middle = batches[len(batches) // 2]
-            step_s, prof = decode_steps(worker, middle, args.context, args.steps, vocab, ids, profile=True)
+            step_s, prof = timed_steps(worker, middle, args.context, args.steps, vocab, ids, profile=True)
             table = prof.key_averages()
             print(f"-- torch.profiler, 3 eager steps of batch {middle} ({step_s * 1e3:.2f} ms each)")
             print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -9,32 +9,34 @@ call. Two kinds are captured when the runner is built, over static input
 buffers that all of them share, largest first so that all draw on one pool:
 
 - decode graphs, one per padded batch size (1, 2, 4, 8, then multiples of 16
-  up to max_num_seqs): a step where every request decodes one token copies
-  its inputs into the first B rows, pads up to the captured size with
-  requests that write and read only the null block (block 0, which no
-  request owns), replays, and returns the first B rows of the output;
+  up to max_num_seqs), for steps where every request computes one token: a
+  step copies its inputs into the first B rows, pads up to the captured size
+  with requests of one token that write and read only slot 0 of the null
+  block (block 0, which no request owns), replays, and returns the first B
+  rows of the output;
 - mixed graphs, one per padded token count (16, 24, 32, 48, ... up to 512,
-  then multiples of 256 up to max_num_batched_tokens or 2,048) for every other step
-  (prefill chunks, with or without decodes beside them), the query tiles of
-  Triton attention padded with empty ones. With decodes alone, once requests
-  finish and new ones are admitted, nearly every step of a busy server is a
-  mixed one.
+  then multiples of 256 up to max_num_batched_tokens or 2,048), for every
+  other step: prefill chunks, alone or beside decodes. A busy server runs
+  mostly these: once the first requests finish, each step admits a new
+  request's chunk beside the running decodes. Padding tokens write the null
+  block's slot 0 and belong to no request (their output rows are garbage,
+  never read: every op but attention is row by row); padding requests have
+  no query tokens and no context; the attention tiles past the step's own
+  point at the last request row, which no step fills, so they load and
+  store nothing.
 
-Steps larger than the largest graph run eagerly: past ~2,048 tokens a step's
-GPU time outweighs its launches.
+A step runs eagerly where no graph fits it: more tokens than the largest
+mixed graph (past ~2,048 a step's GPU time outweighs its launches), more
+requests than the largest decode graph, or block tables wider than
+max_model_len needs.
 
 What a replay depends on must live on the device, at a fixed address: the
-Triton attention kernel reads lengths, block tables and its tiles' requests
-from device tensors, loops as far as those say, and its grid is one program
-per tile (fixed per captured size), so it qualifies; the torch backend plans
-on the host and does not (the worker captures only over Triton attention).
-A block table in the static buffer may hold stale ids past a row's own
-blocks: attention never reads past a row's seq_len. Padding is inert by
-construction: padding tokens write their keys and values into the null
-block's slot 0 and belong to no request (their rows of the output are
-garbage, never read: every op but attention is row by row); padding requests
-have no query tokens and no context; padding tiles point at such a request,
-so they load nothing and store nothing.
+Triton attention kernel reads lengths, block tables, its tiles' requests and
+first queries from device tensors, loops as far as those say, and its grid
+is one program per tile (fixed per captured size), so it qualifies; the
+torch backend plans on the host and does not (the worker captures only over
+Triton attention). A block table in the static buffer may hold stale ids
+past a row's own blocks: attention never reads past a row's seq_len.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ class StepGraphs:
     def __init__(
         self,
         forward: Forward,
-        prepare: Callable[[AttentionMetadata], None],
         attention: str,
         max_batch: int,
         max_tokens: int,
@@ -88,7 +89,7 @@ class StepGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self.token_sizes = graph_token_sizes(max_tokens)
         self.block_size = block_size
-        self.attention = attention  # the backend whose tiles a mixed step's metadata carries (meta.extra)
+        self.attention = attention  # the Triton backend's name: its tiles are meta.extra[attention]
         m = max(self.sizes[-1], self.token_sizes[-1])
         # Request rows: as many as a decode graph has, and one more that is always padding.
         self.seq_rows = self.sizes[-1] + 1
@@ -97,28 +98,27 @@ class StepGraphs:
         self.slot_mapping = torch.full((m,), NULL_SLOT, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(self.seq_rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.seq_rows, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # Decodes: row i's one token is token i, always.
+        # Decodes: row i's one token is token i, and tile i is row i's, always.
         self.decode_starts = torch.arange(self.seq_rows + 1, dtype=torch.int32, device=device)
+        self.decode_tile_starts = torch.zeros(self.seq_rows, dtype=torch.int32, device=device)
         # Mixed steps: rewritten every step; tiles at most one per token.
         self.query_starts = torch.zeros(self.seq_rows + 1, dtype=torch.int32, device=device)
         self.tile_seq = torch.full((m,), self.seq_rows - 1, dtype=torch.int32, device=device)
         self.tile_start = torch.zeros(m, dtype=torch.int32, device=device)
-        self.metas: dict[tuple[str, int], AttentionMetadata] = {}  # alive as long as the graphs that read them
         self.runs: dict[tuple[str, int], Callable[[], torch.Tensor]] = {}
         pool = None
-        for size in reversed(self.token_sizes):
-            meta = self._mixed_meta(size)
-            self.metas["mixed", size] = meta
-            self.runs["mixed", size], pool = self._capture(forward, size, meta, pool)
+        for size in reversed(self.token_sizes):  # the buffers start as padding: see _pad_mixed
+            self.runs["mixed", size], pool = self._capture(forward, size, self._mixed_meta(size), pool)
         self.seq_lens.fill_(1)  # decode padding: one token in the null block
         for size in reversed(self.sizes):
-            meta = self._decode_meta(size)
-            prepare(meta)  # the backend's per-step tensors, fixed for a decode of this size
-            self.metas["decode", size] = meta
-            self.runs["decode", size], pool = self._capture(forward, size, meta, pool)
+            self.runs["decode", size], pool = self._capture(forward, size, self._decode_meta(size), pool)
+
+    # The metadata a graph is captured with. Its host-side fields (max_*_len, *_cpu) are
+    # placeholders: neither the model nor Triton attention reads them in a forward, and a
+    # graph could not follow them if they did.
 
     def _decode_meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             num_tokens=size,
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.decode_starts[: size + 1],
@@ -130,10 +130,11 @@ class StepGraphs:
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[1] * size,
         )
+        meta.extra[self.attention] = (self.decode_starts[:size], self.decode_tile_starts[:size])
+        return meta
 
     def _mixed_meta(self, size: int) -> AttentionMetadata:
-        """Every request row, `size` tokens and tiles; all padding until a step fills them."""
-        self._pad_mixed(0, 0, 0, size)
+        """Every request row, `size` tokens and tiles."""
         rows = self.seq_rows
         meta = AttentionMetadata(
             num_tokens=size,

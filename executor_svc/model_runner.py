@@ -162,7 +162,6 @@ class ModelRunner:
         try:
             self.graphs = StepGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                self.attn_backend.prepare,
                 self.attn_backend.name,
                 max_num_seqs,
                 max_num_batched_tokens,

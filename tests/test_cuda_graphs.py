@@ -88,7 +88,10 @@ def plans():
     finish and r5 takes r3's blocks beside 3 decodes (a mixed step, 45 tokens padded to 48);
     decodes of 3 (padded to 4: the padding row's old slot is r5's); r6 takes r1's blocks beside
     4 decodes (34 tokens padded to 48: the padding tokens' old slots are r5's and the decodes'
-    of the mixed step before); decodes of 5, then 3 and 1."""
+    of the mixed step before); decodes of 5, then 3 and 1; four 2-token prompts beside r5's decode
+    (9 tokens, 5 requests and 5 attention tiles), then one 12-token prompt beside it (13 tokens:
+    the attention tiles and request rows past its 2 are the step before's, which must not run
+    again over this step's tokens)."""
     greedy = SamplingParams(temperature=0.0, logprobs=2)
     prompts = {f"r{i}": [3 + (7 * i + j) % 300 for j in range(10 + 9 * i)] for i in range(MAX_SEQS)}
     blocks = {rid: list(range(1 + 6 * i, 7 + 6 * i)) for i, rid in enumerate(prompts)}
@@ -121,6 +124,8 @@ def plans():
     yield decode(["r0", "r2", "r4", "r5", "r6"])
     yield decode(["r4", "r5", "r6"], finished=["r0", "r2"])
     yield decode(["r5"], finished=["r4", "r6"])
+    yield decode(["r5"], [new("r7", 2, "r0"), new("r8", 2, "r1"), new("r9", 2, "r2"), new("r10", 2, "r4")])
+    yield decode(["r5"], [new("r11", 12, "r0")], finished=["r7", "r8", "r9", "r10"])
 
 
 def test_steps_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_capture):
@@ -131,21 +136,19 @@ def test_steps_through_the_graph_buffers_match_the_eager_runner(tmp_path, eager_
         a, b = eager.execute(plan), graphed.execute(plan)
         assert not a.error and not b.error, (a.error, b.error)
         assert a.sampled == b.sampled
-        rows = len(plan.cached_requests) + len(plan.new_requests)
         tokens = len(plan.cached_requests) + sum(r.num_scheduled_tokens for r in plan.new_requests)
         sizes = graphs.token_sizes if plan.new_requests else graphs.sizes
         if tokens <= sizes[-1]:
             size = next(s for s in sizes if s >= tokens)
             assert (graphs.slot_mapping[tokens:size] == NULL_SLOT).all(), "padding must write to the null block"
-            assert rows < graphs.seq_rows
         # Padded to another row count, a GEMM may sum in another order: equal to rounding.
         for rid, lp in a.logprobs.items():
             assert [t for t, _ in lp.top] == [t for t, _ in b.logprobs[rid].top]
             assert [x for _, x in lp.top] == pytest.approx([x for _, x in b.logprobs[rid].top], abs=1e-4)
     if not ON_GPU:
         # The 140-token prefill ran eagerly; every other step replayed its padded size.
-        kinds = ["decode", "mixed", "decode", "mixed", "decode", "decode", "decode"]
-        assert eager_capture == list(zip(kinds, [5, 48, 4, 48, 5, 4, 1]))
+        kinds = ["decode", "mixed", "decode", "mixed", "decode", "decode", "decode", "mixed", "mixed"]
+        assert eager_capture == list(zip(kinds, [5, 48, 4, 48, 5, 4, 1, 16, 16]))
     # Padding wrote only into the null block: every other block is the eager runner's.
     for (ka, va), (kb, vb) in zip(eager.kv_caches, graphed.kv_caches):
         torch.testing.assert_close(ka[1:], kb[1:], rtol=0, atol=1e-5)
@@ -170,7 +173,25 @@ def test_a_step_wider_than_the_graphs_runs_eagerly(tmp_path, eager_capture):
         query_lens_cpu=[1] * (MAX_SEQS + 1),
         seq_lens_cpu=[1] * (MAX_SEQS + 1),
     )
-    assert r.graphs.replay(ids, ids, meta) is None  # more requests than the largest graph
+    assert r.graphs.replay(ids, ids, meta) is None  # more requests than the largest decode graph
+    rows = r.graphs.seq_rows  # a mixed step of as many requests: more than the graphs' rows for real ones
+    many_ids = torch.zeros(rows + 1, dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor([0, *range(2, rows + 2)], dtype=torch.int32, device=DEVICE)
+    many = dataclasses.replace(
+        meta,
+        num_tokens=rows + 1,
+        slot_mapping=many_ids,
+        query_start_loc=starts,
+        seq_lens=torch.full((rows,), 2, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(rows, 1, dtype=torch.int32, device=DEVICE),
+        max_query_len=2,
+        query_lens_cpu=[2] + [1] * (rows - 1),
+        seq_lens_cpu=[2] * rows,
+        extra={"triton": (torch.arange(rows, dtype=torch.int32, device=DEVICE), many_ids[:rows].int())},
+    )
+    assert rows + 1 <= r.graphs.token_sizes[-1]  # only the request count rules this step out
+    with torch.inference_mode():
+        assert r.graphs.replay(many_ids, many_ids, many) is None
     two = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     wide = dataclasses.replace(
         meta,
