@@ -14,13 +14,13 @@
 # 1. bench/cuda_check.py: real scheduler + executor processes on the GPU
 #    against transformers (float32, bfloat16, with and without CUDA graphs),
 #    throughput, --deterministic.
-# 2. bench/cuda_decode_steps.py: in-process decode steps, graphs vs eager.
+# 2. bench/cuda_decode_steps.py: in-process decode and mixed steps, graphs vs eager.
 # 3. bench/gpu_check.py --quick: the --deterministic Triton kernels against
 #    float64, their batch invariance in bits, their cost beside cuBLAS.
 # 4. The Triton attention, sampler, invariant-kernel and CUDA-graph tests,
 #    which run compiled on a GPU (in Triton's interpreter everywhere else).
-# The first such run (2026-12-04) took 4 minutes; docs/optimization_log.md
-# ("The first run on a GPU") has what it found.
+# The first such run (2026-12-04) took 4 minutes, the second 5.3; docs/optimization_log.md
+# ("The first run on a GPU", "Prefill and mixed steps from CUDA graphs") has what they found.
 set -u
 OUT=${OUT:-/tmp/device-check}
 mkdir -p "$OUT"
