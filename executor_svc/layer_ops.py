@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc import fused_ops, onednn_linear
-from executor_svc.packed_linear import PackedWeight, linear, route
+from executor_svc.packed_linear import PackedWeight, linear, route, swiglu_dot
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,4 +88,13 @@ def mlp(
         if act is not None:
             return onednn_linear.linear(act, down_packed.onednn, None)
         return onednn_linear.linear(swiglu(gate_up.float()), down_packed.onednn, None)
+    if (
+        linear_fn is linear
+        and route(rows, gate_up_packed) == "dot"
+        and route(rows, down_packed) == "dot"
+        and (act := swiglu_dot(x, gate_up_packed)) is not None
+    ):
+        # The dot route's GEMMs read bfloat16 rows: SwiGLU on the gate/up
+        # product's tiles hands the down GEMM its input already rounded.
+        return linear(act, down_weight, None, down_packed)
     return linear_fn(swiglu(linear_fn(x, gate_up_weight, None, gate_up_packed)), down_weight, None, down_packed)

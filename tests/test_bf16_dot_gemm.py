@@ -11,7 +11,7 @@ import ctypes
 import pytest
 import torch
 
-from executor_svc import packed_linear
+from executor_svc import layer_ops, packed_linear
 from executor_svc.packed_linear import BF16_MAX_ROWS, PackedWeight, linear, pack_bf16, route
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
@@ -154,3 +154,61 @@ def test_warming_changes_no_output_and_refuses_a_missing_span_list(rows, spans, 
     assert k.gemm_bf16_dot_warm(*args, None, 3, span_bytes) == -4
     assert k.gemm_bf16_dot_warm(*args, table, spans, 0) == -4
     assert untouched.isnan().all()
+
+
+def unfused_swiglu(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, gw, dw) -> torch.Tensor:
+    """The dot route's MLP one op at a time: the gate/up GEMM's float32 product,
+    SwiGLU over it, and the down GEMM, which rounds its input to bfloat16."""
+    return linear(layer_ops.swiglu(linear(x, gw, None, gate_up)), dw, None, down)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 257, 600])
+@pytest.mark.parametrize("native", [False, True], ids=["emulated", "vdpbf16ps"])
+def test_swiglu_on_the_gate_up_tiles_is_the_unfused_mlp_bit_for_bit(rows, native, monkeypatch):
+    """mlp() over two dot-routed weights takes packed_gemm_bf16_dot_swiglu,
+    which never writes the float32 gate/up product: its activations and output
+    must be the three-op path's exactly (a NaN's payload aside), for row counts
+    within one tile, across tiles and across 256-row chunks, with a row of huge
+    activations (silu's exp overflowing to inf, g / inf = 0) and one NaN row
+    (NaN out, as torch)."""
+    if native and not packed_linear.kernel().bf16_dot_native:
+        pytest.skip("needs AVX512-BF16")
+    inter, hidden = 96, 64  # two panel pairs
+    gw, dw = bf16_weight(2 * inter, hidden, rows), bf16_weight(hidden, inter, rows + 1)
+    gate_up = PackedWeight(None, pack_bf16(gw), bf16_routes=DOT)
+    down = PackedWeight(None, pack_bf16(dw), bf16_routes=DOT)
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)) * 4
+    if rows > 2:
+        x[1] *= 1e4
+        x[2, 5] = float("nan")
+    calls = []
+    monkeypatch.setattr(layer_ops, "swiglu_dot", lambda *a: calls.append(1) or packed_linear.swiglu_dot(*a))
+    k = packed_linear.kernel()
+    before = k.bf16_dot_native
+    object.__setattr__(k, "bf16_dot_native", native)  # the frozen kernel record, for this test only
+    try:
+        fused = layer_ops.mlp(x, gw, dw, gate_up, down)
+        act = packed_linear.swiglu_dot(x, gate_up)
+        act_want = layer_ops.swiglu(linear(x, gw, None, gate_up)).to(torch.bfloat16)
+        want = unfused_swiglu(x, gate_up, down, gw, dw)
+    finally:
+        object.__setattr__(k, "bf16_dot_native", before)
+    assert calls == [1], "mlp() did not take the fused pass"
+    assert act is not None and act.dtype == torch.bfloat16 and act.shape == (rows, inter)
+    # NaN as NaN (torch's vector conversion keeps a NaN's high bits, bf16.h writes 0x7FC0), the rest bit for bit.
+    assert torch.equal(act.isnan(), act_want.isnan())
+    assert torch.equal(act.nan_to_num().view(torch.int16), act_want.nan_to_num().view(torch.int16))
+    assert torch.equal(fused.isnan(), want.isnan()) and (rows <= 2 or want[2].isnan().all())
+    assert torch.equal(fused.nan_to_num(), want.nan_to_num())
+
+
+def test_swiglu_dot_refuses_an_intermediate_size_of_partial_panels():
+    """Gate panel p pairs with up panel p + I/48 only when I is whole panels:
+    otherwise the fused pass declines (None) and mlp() runs the three ops."""
+    inter, hidden = 64, 64  # 64 = 1 1/3 panels
+    gw, dw = bf16_weight(2 * inter, hidden, 5), bf16_weight(hidden, inter, 6)
+    gate_up = PackedWeight(None, pack_bf16(gw), bf16_routes=DOT)
+    down = PackedWeight(None, pack_bf16(dw), bf16_routes=DOT)
+    x = torch.randn(33, hidden)
+    assert packed_linear.swiglu_dot(x, gate_up) is None
+    assert torch.equal(layer_ops.mlp(x, gw, dw, gate_up, down), unfused_swiglu(x, gate_up, down, gw, dw))

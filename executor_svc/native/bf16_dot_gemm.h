@@ -162,3 +162,50 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
         }
     }
 }
+
+#ifdef __AVX512BW__
+/* SwiGLU over the gate/up GEMM (packed_gemm_bf16_dot_swiglu): out[M, I] =
+ * bf16(silu(g) * u), [g | u] = A @ W^T for the gate/up weight's BF16 panels
+ * (N = 2 I, I a multiple of NR, so gate panel p pairs with up panel p + I/NR).
+ *
+ * Why: unfused, a prefill chunk's gate/up product is written as float32
+ * [M, 2 I] (25 MB a layer at 2,048 rows of the embedded model), read back by
+ * silu_mul_f32, whose float32 output is read again to be rounded for the
+ * down GEMM. Here each row tile's two products land in a buffer on the stack
+ * and leave as bf16 while still in L1. The products are the GEMM's own tiles,
+ * silu(g) * u is silu_mul_f32's arithmetic (fused_ops.c: the same exp512 and
+ * operation order), and the rounding is torch's (bf16.h): the unfused path's
+ * result bit for bit (but for a NaN's payload: bf16.h writes 0x7FC0 where
+ * torch's vector conversion keeps the NaN's high bits). */
+static DOT_TARGET void DOT_NAME(swiglu)(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda,
+                                        const uint8_t *blocks, int M, int I, int K, int num_threads)
+{
+    const int pairs = I / NR;
+    const struct row_split rs = equal_chunks(M, MC, MR);
+    const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float g[MR * NR] __attribute__((aligned(64))), u[MR * NR] __attribute__((aligned(64)));
+        struct warm_cursor none = {NULL, 0, 0};
+        const int64_t items = (int64_t)rs.chunks * pairs, nt = omp_get_num_threads(), me = omp_get_thread_num();
+        for (int64_t it = items * me / nt; it < items * (me + 1) / nt; it++) {
+            const int mc = (int)(it / pairs), p = (int)(it % pairs);
+            const int m_end = (mc + 1) * rs.rows < M ? (mc + 1) * rs.rows : M;
+            const uint8_t *gate = blocks + (int64_t)p * panel_bytes, *up = gate + (int64_t)pairs * panel_bytes;
+            for (int m = mc * rs.rows; m < m_end; m += MR) {
+                const int mr = m_end - m < MR ? m_end - m : MR;
+                DOT_NAME(tile_rows)(mr, g, NR, a + m * lda, lda, gate, NULL, K, NR, NULL, 0, &none, 0, 0);
+                DOT_NAME(tile_rows)(mr, u, NR, a + m * lda, lda, up, NULL, K, NR, NULL, 0, &none, 0, 0);
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < NV; j++) {
+                        const __m512 gv = _mm512_load_ps(g + i * NR + 16 * j), uv = _mm512_load_ps(u + i * NR + 16 * j);
+                        const __m512 den =
+                            _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+                        _mm256_storeu_si256((__m256i *)(out + (int64_t)(m + i) * ldo + p * NR + 16 * j),
+                                            bf16_round(_mm512_mul_ps(_mm512_div_ps(gv, den), uv)));
+                    }
+            }
+        }
+    }
+}
+#endif

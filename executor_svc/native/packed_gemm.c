@@ -458,6 +458,7 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 #ifdef __AVX512BW__
 #define Q4DOT_TILE_ROWS 4
 #include "bf16.h"
+#include "exp512.h" /* SwiGLU's, as fused_ops.c's silu_mul_f32 computes it (bf16_dot_gemm.h) */
 
 /* One call's arguments, its activations already rounded (xb [M][K]) and
  * summed per block (xs [M][K/32]). */
@@ -538,6 +539,35 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
                          const float *bias, int M, int N, int K, int native, int num_threads)
 {
     return packed_gemm_bf16_dot_warm(c, ldc, a, lda, blocks, bias, M, N, K, native, num_threads, NULL, 0, 0);
+}
+
+/* out [M, I] bfloat16 (row stride ldo) = silu(g) * u, [g | u] = A @ W^T over
+ * the gate/up weight's BF16 blocks (N = 2 I), A and `native` as in
+ * packed_gemm_bf16_dot: that GEMM, silu_mul_f32 and torch's rounding to
+ * bfloat16, bit for bit (NaN payloads aside), in one pass (bf16_dot_gemm.h). Returns 0; -1 where
+ * this build has no AVX-512BW; -2 as packed_gemm_bf16_dot; -3 for a K the
+ * blocks cannot hold or an I that is not a whole number of panels. */
+int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                int M, int I, int K, int native, int num_threads)
+{
+#ifdef __AVX512BW__
+    if (K <= 0 || K % QK != 0 || I <= 0 || I % NR != 0)
+        return -3;
+    if (native) {
+        if (!packed_gemm_bf16_dot_native())
+            return -2;
+#ifdef HAVE_NATIVE_DOT
+        swiglu_dot_native(out, ldo, a, lda, blocks, M, I, K, num_threads);
+#endif
+        return 0;
+    }
+    swiglu_dot_emulated(out, ldo, a, lda, blocks, M, I, K, num_threads);
+    return 0;
+#else
+    (void)out; (void)ldo; (void)a; (void)lda; (void)blocks; (void)M; (void)I; (void)K; (void)native;
+    (void)num_threads;
+    return -1;
+#endif
 }
 
 /* packed_gemm_bf16_dot that also prefetches num_spans spans of span_bytes
@@ -663,6 +693,14 @@ int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t ld
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
     (void)native; (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                int M, int I, int K, int native, int num_threads)
+{
+    (void)out; (void)ldo; (void)a; (void)lda; (void)blocks; (void)M; (void)I; (void)K; (void)native;
+    (void)num_threads;
     return -1;
 }
 
