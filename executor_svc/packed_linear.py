@@ -451,7 +451,7 @@ def swiglu_dot(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
     """silu(g) * u rounded to bfloat16 [M, I], [g | u] = x [M, in] rounded to
     bfloat16 @ the gate/up weight's BF16 blocks: what the "dot" route's GEMM,
     swiglu and the down GEMM's rounding of its input give, bit for bit (a NaN
-    stays NaN, its payload aside), in one
+    stays NaN, its bit pattern aside), in one
     native pass that never writes the float32 [M, 2 I] product
     (bf16_dot_gemm.h); None where the kernel has no such pass (no AVX-512BW, or
     an I that is not a whole number of panels)."""
@@ -460,6 +460,8 @@ def swiglu_dot(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
     assert x.dim() == 2 and x.shape[1] == blocks.in_features, f"swiglu_dot: input {tuple(x.shape)}"
     k = kernel()
     inter = blocks.out_features // 2
+    if inter % k.panel_width:  # gate panel p pairs with up panel p + inter / width: most models' sizes are not
+        return None
     xb = x.to(torch.bfloat16).contiguous()
     out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
     status = k.gemm_bf16_dot_swiglu(

@@ -7,6 +7,7 @@ the CPU has AVX512-BF16."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def unfused_swiglu(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, g
 def test_swiglu_on_the_gate_up_tiles_is_the_unfused_mlp_bit_for_bit(rows, native, monkeypatch):
     """mlp() over two dot-routed weights takes packed_gemm_bf16_dot_swiglu,
     which never writes the float32 gate/up product: its activations and output
-    must be the three-op path's exactly (a NaN's payload aside), for row counts
+    must be the three-op path's exactly (a NaN's bit pattern aside), for row counts
     within one tile, across tiles and across 256-row chunks, with a row of huge
     activations (silu's exp overflowing to inf, g / inf = 0) and one NaN row
     (NaN out, as torch)."""
@@ -181,21 +182,17 @@ def test_swiglu_on_the_gate_up_tiles_is_the_unfused_mlp_bit_for_bit(rows, native
     if rows > 2:
         x[1] *= 1e4
         x[2, 5] = float("nan")
+    k = dataclasses.replace(packed_linear.kernel(), bf16_dot_native=native)
+    monkeypatch.setattr(packed_linear, "kernel", lambda: k)  # every dot GEMM below, fused or not
     calls = []
-    monkeypatch.setattr(layer_ops, "swiglu_dot", lambda *a: calls.append(1) or packed_linear.swiglu_dot(*a))
-    k = packed_linear.kernel()
-    before = k.bf16_dot_native
-    object.__setattr__(k, "bf16_dot_native", native)  # the frozen kernel record, for this test only
-    try:
-        fused = layer_ops.mlp(x, gw, dw, gate_up, down)
-        act = packed_linear.swiglu_dot(x, gate_up)
-        act_want = layer_ops.swiglu(linear(x, gw, None, gate_up)).to(torch.bfloat16)
-        want = unfused_swiglu(x, gate_up, down, gw, dw)
-    finally:
-        object.__setattr__(k, "bf16_dot_native", before)
-    assert calls == [1], "mlp() did not take the fused pass"
+    monkeypatch.setattr(layer_ops, "swiglu_dot", lambda *a: calls.append(packed_linear.swiglu_dot(*a)) or calls[-1])
+    fused = layer_ops.mlp(x, gw, dw, gate_up, down)
+    act = packed_linear.swiglu_dot(x, gate_up)
+    act_want = layer_ops.swiglu(linear(x, gw, None, gate_up)).to(torch.bfloat16)
+    want = unfused_swiglu(x, gate_up, down, gw, dw)
+    assert len(calls) == 1 and calls[0] is not None, "mlp() did not run the fused pass"
     assert act is not None and act.dtype == torch.bfloat16 and act.shape == (rows, inter)
-    # NaN as NaN (torch's vector conversion keeps a NaN's high bits, bf16.h writes 0x7FC0), the rest bit for bit.
+    # NaN as NaN (bf16.h writes 0x7FC0, torch's vector conversion a pattern of its own), the rest bit for bit.
     assert torch.equal(act.isnan(), act_want.isnan())
     assert torch.equal(act.nan_to_num().view(torch.int16), act_want.nan_to_num().view(torch.int16))
     assert torch.equal(fused.isnan(), want.isnan()) and (rows <= 2 or want[2].isnan().all())
@@ -212,3 +209,22 @@ def test_swiglu_dot_refuses_an_intermediate_size_of_partial_panels():
     x = torch.randn(33, hidden)
     assert packed_linear.swiglu_dot(x, gate_up) is None
     assert torch.equal(layer_ops.mlp(x, gw, dw, gate_up, down), unfused_swiglu(x, gate_up, down, gw, dw))
+
+
+@pytest.mark.parametrize("rows", [9, 64, 300])
+def test_swiglu_dot_gives_the_same_bits_on_any_thread_count(rows):
+    """With few row chunks for the threads, the fused pass cuts the rows into
+    smaller chunks; every output is still one tile's, so 1, 3 and 8 threads
+    give the same bits."""
+    gw = bf16_weight(2 * 96, 64, rows)
+    gate_up = PackedWeight(None, pack_bf16(gw), bf16_routes=DOT)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 3, 8):
+            torch.set_num_threads(threads)
+            outs.append(packed_linear.swiglu_dot(x, gate_up))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0].view(torch.int16), o.view(torch.int16)) for o in outs[1:])

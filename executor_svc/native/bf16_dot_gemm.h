@@ -173,15 +173,23 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
  * silu_mul_f32, whose float32 output is read again to be rounded for the
  * down GEMM. Here each row tile's two products land in a buffer on the stack
  * and leave as bf16 while still in L1. The products are the GEMM's own tiles,
- * silu(g) * u is silu_mul_f32's arithmetic (fused_ops.c: the same exp512 and
- * operation order), and the rounding is torch's (bf16.h): the unfused path's
- * result bit for bit (but for a NaN's payload: bf16.h writes 0x7FC0 where
- * torch's vector conversion keeps the NaN's high bits). */
+ * silu(g) * u is silu_mul_f32's arithmetic (exp512.h's silu512), and the
+ * rounding is torch's (bf16.h): the unfused path's result bit for bit (but
+ * for a NaN's pattern: bf16.h writes 0x7FC0, torch's vector conversion its
+ * own, 0xFFFF for the NaNs measured).
+ *
+ * Work items are (row chunk, panel pair), half the plain GEMM's (row chunk,
+ * panel) for the same rows: where that leaves fewer than two a thread, the
+ * rows are cut into smaller chunks (whole tiles; each row's outputs are one
+ * tile's whatever the chunk, so the bits do not change). */
 static DOT_TARGET void DOT_NAME(swiglu)(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda,
                                         const uint8_t *blocks, int M, int I, int K, int num_threads)
 {
     const int pairs = I / NR;
-    const struct row_split rs = equal_chunks(M, MC, MR);
+    int chunk_rows = MC;
+    while (chunk_rows > MR && (int64_t)((M + chunk_rows - 1) / chunk_rows) * pairs < 2 * (int64_t)num_threads)
+        chunk_rows /= 2;
+    const struct row_split rs = equal_chunks(M, chunk_rows, MR);
     const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -199,10 +207,8 @@ static DOT_TARGET void DOT_NAME(swiglu)(uint16_t *out, int64_t ldo, const uint16
                 for (int i = 0; i < mr; i++)
                     for (int j = 0; j < NV; j++) {
                         const __m512 gv = _mm512_load_ps(g + i * NR + 16 * j), uv = _mm512_load_ps(u + i * NR + 16 * j);
-                        const __m512 den =
-                            _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
                         _mm256_storeu_si256((__m256i *)(out + (int64_t)(m + i) * ldo + p * NR + 16 * j),
-                                            bf16_round(_mm512_mul_ps(_mm512_div_ps(gv, den), uv)));
+                                            bf16_round(_mm512_mul_ps(silu512(gv), uv)));
                     }
             }
         }

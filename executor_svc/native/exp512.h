@@ -33,4 +33,12 @@ static inline __m512 exp512(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* silu(g) = g / (1 + e^-g) on 16 floats, in the one operation order the
+ * SwiGLU kernels share (fused_ops.c, fused_ops_bf16.c, bf16_dot_gemm.h), so
+ * that a fused and an unfused gate give the same bits. */
+static inline __m512 silu512(__m512 g)
+{
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
 #endif

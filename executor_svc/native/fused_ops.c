@@ -97,8 +97,7 @@ int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int
         for (int i = 0; i < inter; i += 16) {
             const __mmask16 m = inter - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (inter - i)) - 1);
             const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
+            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(silu512(gv), uv));
         }
     }
     return 0;

@@ -130,8 +130,7 @@ static int silu_mul_rows(uint16_t *out, int64_t ld_out, const uint16_t *gu, int6
         uint16_t *o = out + r * ld_out;
         for (int i = 0; i < inter; i += 16) {
             const __m512 gv = bf16_load_n(g + i, inter - i);
-            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            const __m512 silu = _mm512_div_ps(gv, den);
+            const __m512 silu = silu512(gv);
             bf16_store_n(o + i, _mm512_mul_ps(round_silu ? bf16_rounded(silu) : silu, bf16_load_n(u + i, inter - i)),
                          inter - i);
         }

@@ -458,7 +458,7 @@ int packed_gemm_quant_int8(float *c, int64_t ldc, const float *a, int64_t lda, c
 #ifdef __AVX512BW__
 #define Q4DOT_TILE_ROWS 4
 #include "bf16.h"
-#include "exp512.h" /* SwiGLU's, as fused_ops.c's silu_mul_f32 computes it (bf16_dot_gemm.h) */
+#include "exp512.h" /* silu512: SwiGLU on the dot GEMM's tiles (bf16_dot_gemm.h) */
 
 /* One call's arguments, its activations already rounded (xb [M][K]) and
  * summed per block (xs [M][K/32]). */
@@ -544,7 +544,7 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 /* out [M, I] bfloat16 (row stride ldo) = silu(g) * u, [g | u] = A @ W^T over
  * the gate/up weight's BF16 blocks (N = 2 I), A and `native` as in
  * packed_gemm_bf16_dot: that GEMM, silu_mul_f32 and torch's rounding to
- * bfloat16, bit for bit (NaN payloads aside), in one pass (bf16_dot_gemm.h). Returns 0; -1 where
+ * bfloat16, bit for bit (NaN patterns aside), in one pass (bf16_dot_gemm.h). Returns 0; -1 where
  * this build has no AVX-512BW; -2 as packed_gemm_bf16_dot; -3 for a K the
  * blocks cannot hold or an I that is not a whole number of panels. */
 int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
