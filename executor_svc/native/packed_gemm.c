@@ -544,9 +544,9 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 /* out [M, I] bfloat16 (row stride ldo) = silu(g) * u, [g | u] = A @ W^T over
  * the gate/up weight's BF16 blocks (N = 2 I), A and `native` as in
  * packed_gemm_bf16_dot: that GEMM, silu_mul_f32 and torch's rounding to
- * bfloat16, bit for bit (NaN patterns aside), in one pass (bf16_dot_gemm.h). Returns 0; -1 where
- * this build has no AVX-512BW; -2 as packed_gemm_bf16_dot; -3 for a K the
- * blocks cannot hold or an I that is not a whole number of panels. */
+ * bfloat16, bit for bit (NaN patterns aside), in one pass (bf16_dot_gemm.h).
+ * Returns 0; -1 where this build has no AVX-512BW; -2 as packed_gemm_bf16_dot;
+ * -3 for a K the blocks cannot hold or an I that is not whole panels. */
 int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                                 int M, int I, int K, int native, int num_threads)
 {
