@@ -452,8 +452,8 @@ def swiglu_dot(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
     bfloat16 @ the gate/up weight's BF16 blocks: what the "dot" route's GEMM,
     swiglu and the down GEMM's rounding of its input give, bit for bit (a NaN
     stays NaN, its bit pattern aside), in one native pass that never writes
-    the float32 [M, 2 I] product (bf16_dot_gemm.h); None where the kernel has no such pass (no AVX-512BW, or
-    an I that is not a whole number of panels)."""
+    the float32 [M, 2 I] product (bf16_dot_gemm.h); None where the kernel has
+    no such pass (no AVX-512BW, or an I that is not a whole number of panels)."""
     blocks = packed.blocks
     assert blocks is not None and blocks.kind == "BF16", "swiglu_dot reads a gate/up weight's BF16 blocks"
     assert x.dim() == 2 and x.shape[1] == blocks.in_features, f"swiglu_dot: input {tuple(x.shape)}"
