@@ -80,23 +80,15 @@ def mlp(
     GEMM bf16 rows (packed_linear.swiglu_dot): the three ops' numbers, 1.09x
     at 2,048 rows there."""
     rows = x.shape[0]
-    if (
-        linear_fn is linear
-        and route(rows, gate_up_packed) == "onednn"
-        and route(rows, down_packed) == "onednn"
-        and fused_ops.available(x)
-    ):
+    # Both GEMMs' routes at this row count, where the packed kernels run them.
+    routes = (route(rows, gate_up_packed), route(rows, down_packed)) if linear_fn is linear else None
+    if routes == ("onednn", "onednn") and fused_ops.available(x):
         gate_up = onednn_linear.linear(x, gate_up_packed.onednn, None, widen=False)
         act = fused_ops.silu_mul_bf16_io(gate_up)
         if act is not None:
             return onednn_linear.linear(act, down_packed.onednn, None)
         return onednn_linear.linear(swiglu(gate_up.float()), down_packed.onednn, None)
-    if (
-        linear_fn is linear
-        and route(rows, gate_up_packed) == "dot"
-        and route(rows, down_packed) == "dot"
-        and (act := swiglu_dot(x, gate_up_packed)) is not None
-    ):
+    if routes == ("dot", "dot") and (act := swiglu_dot(x, gate_up_packed)) is not None:
         # The dot route's GEMMs read bfloat16 rows: SwiGLU on the gate/up
         # product's tiles hands the down GEMM its input already rounded.
         return linear(act, down_weight, None, down_packed)
