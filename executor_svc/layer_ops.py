@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc import fused_ops, onednn_linear
-from executor_svc.packed_linear import PackedWeight, linear, route, swiglu_dot
+from executor_svc.gemm_epilogues import swiglu_dot
+from executor_svc.packed_linear import PackedWeight, linear, route
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +78,7 @@ def mlp(
     back. A 2,048-row MLP of the embedded model, in process on an AMD EPYC
     (Zen 5): 16.1 -> 14.0 ms (docs/optimization_log.md). Where both take the
     BF16 dot route, SwiGLU runs on the gate/up GEMM's tiles and hands the down
-    GEMM bf16 rows (packed_linear.swiglu_dot): the three ops' numbers, 1.09x
+    GEMM bf16 rows (gemm_epilogues.swiglu_dot): the three ops' numbers, 1.09x
     at 2,048 rows there."""
     rows = x.shape[0]
     # Both GEMMs' routes at this row count, where the packed kernels run them.

@@ -65,10 +65,12 @@ from torch import nn
 
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
+from executor_svc.gemm_epilogues import argmax_dot
 from executor_svc.layer_ops import Kernels, mlp
 from executor_svc.model_config import ModelConfig
-from executor_svc.packed_linear import PackedWeight
+from executor_svc.packed_linear import PackedWeight, linear
 from executor_svc.rope import apply_rope, rope_cache
+from executor_svc.sampler import argmax
 
 if TYPE_CHECKING:
     from executor_svc.decoder_stack import DecoderStack
@@ -268,6 +270,17 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head if self.lm_head is not None else self._tied_head
         weight = self.embed_tokens if head is None else head
         return self.kernels.linear(hidden, weight, None, self._head_packed).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> int64 [S]: each row's argmax of compute_logits(hidden)
+        (its first largest index, or first NaN's), the sampler's greedy answer.
+        Where the head's GEMM takes the bf16 dot route (a batch of decodes on
+        a CPU with AVX512-BF16), its tiles are reduced in place and the
+        [S, vocab] logits are never written: 12.6 MB written and read back
+        at 64 rows of the embedded model (gemm_epilogues.argmax_dot)."""
+        if self.kernels.linear is linear and (tokens := argmax_dot(hidden, None, self._head_packed)) is not None:
+            return tokens
+        return argmax(self.compute_logits(hidden))
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Runs every layer's linears and norms, the final norm and the head through `kernels`."""

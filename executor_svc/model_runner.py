@@ -37,7 +37,7 @@ from executor_svc.cuda_graphs import StepGraphs
 from executor_svc.decoder_stack import DecoderStack
 from executor_svc.logit_edits import apply_logit_edits, build_logit_edits
 from executor_svc.request_table import RequestState, RequestTable, scheduled_request_ids
-from executor_svc.sampler import Sampler, build_sampling_metadata
+from executor_svc.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from shared.sampling_params import SamplingParams
 from shared.step_plan import StepPlan, StepResult
 
@@ -220,17 +220,13 @@ class ModelRunner:
             self.table.append_sampled(batch, tp.receive_tokens(len(states)))
             return result
         try:
-            logits = self.model.compute_logits(
-                hidden[torch.as_tensor(cu[1:][batch.sample_rows] - 1, device=self.device)]
-            )
+            last = hidden[torch.as_tensor(cu[1:][batch.sample_rows] - 1, device=self.device)]
             edits = build_logit_edits(
                 [s.sampling for s in states],
                 [plan.allowed_token_masks.get(s.request_id) for s in states],
                 self.vocab_size,
                 self.device,
             )
-            if edits is not None:
-                logits = apply_logit_edits(logits, edits)
             md = build_sampling_metadata(
                 [s.sampling for s in states],
                 [s.token_ids[: s.num_prompt_tokens] for s in states],
@@ -238,7 +234,15 @@ class ModelRunner:
                 self.vocab_size,
                 self.device,
             )
-            out = self.sampler(logits, md)
+            if edits is None and md.needs_only_argmax:
+                # Greedy rows and nothing else: the sampler would take the
+                # logits' argmax, which the head can give without them.
+                out = SamplerOutput(self.model.greedy_tokens(last), [None] * len(states))
+            else:
+                logits = self.model.compute_logits(last)
+                if edits is not None:
+                    logits = apply_logit_edits(logits, edits)
+                out = self.sampler(logits, md)
             tokens = out.sampled_token_ids.tolist()
         except Exception:
             if tp is not None:

@@ -74,6 +74,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         " int fmt, const float *bias, int M, int N, int K, int native, int num_threads)",
         "int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda,"
         " const uint8_t *blocks, int M, int I, int K, int native, int num_threads)",
+        "int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, const uint8_t *blocks,"
+        " const float *bias, int M, int N, int K, int native, int num_threads)",
     ),
     "native/decoder_stack.c": (
         "int64_t decoder_stack_scratch_floats(const ds_model *m, int64_t tokens)",

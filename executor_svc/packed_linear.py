@@ -84,6 +84,7 @@ class _Kernel:
     gemm_int8: ctypes._CFuncPtr
     gemm_quant_bf16_dot: ctypes._CFuncPtr
     gemm_bf16_dot_swiglu: ctypes._CFuncPtr  # the gate/up dot GEMM with SwiGLU on its tiles, bf16 out
+    gemm_bf16_dot_argmax: ctypes._CFuncPtr  # the dot GEMM reduced to each row's argmax, C never written
     quantize_int8: ctypes._CFuncPtr
     panel_width: int  # output columns per packed panel
     bf16_dot_native: bool  # VDPBF16PS built and on this CPU; else the dot kernel is emulated
@@ -104,6 +105,7 @@ def kernel() -> _Kernel | None:
         lib.packed_gemm_quant_int8,
         lib.packed_gemm_quant_bf16_dot,
         lib.packed_gemm_bf16_dot_swiglu,
+        lib.packed_gemm_bf16_dot_argmax,
         lib.quantize_rows_int8,
         lib.packed_gemm_panel_width(),
         lib.packed_gemm_bf16_dot_native() == 1,
@@ -444,40 +446,6 @@ def _gguf_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         torch.get_num_threads(),
     )
     assert status == 0, f"packed_gemm_quant_bf16_dot returned {status} for {out_features}x{in_features}"
-    return out
-
-
-def swiglu_dot(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
-    """silu(g) * u rounded to bfloat16 [M, I], [g | u] = x [M, in] rounded to
-    bfloat16 @ the gate/up weight's BF16 blocks: what the "dot" route's GEMM,
-    swiglu and the down GEMM's rounding of its input give, bit for bit (a NaN
-    stays NaN, its bit pattern aside), in one native pass that never writes
-    the float32 [M, 2 I] product (bf16_dot_gemm.h); None where the kernel has
-    no such pass (no AVX-512BW, or an I that is not a whole number of panels)."""
-    blocks = packed.blocks
-    assert blocks is not None and blocks.kind == "BF16", "swiglu_dot reads a gate/up weight's BF16 blocks"
-    assert x.dim() == 2 and x.shape[1] == blocks.in_features, f"swiglu_dot: input {tuple(x.shape)}"
-    k = kernel()
-    inter = blocks.out_features // 2
-    if inter % k.panel_width:  # gate panel p pairs with up panel p + inter / width: most models' sizes are not
-        return None
-    xb = x.to(torch.bfloat16).contiguous()
-    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
-    status = k.gemm_bf16_dot_swiglu(
-        out.data_ptr(),
-        out.stride(0),
-        xb.data_ptr(),
-        xb.stride(0),
-        blocks.data.data_ptr(),
-        x.shape[0],
-        inter,
-        blocks.in_features,
-        int(k.bf16_dot_native),
-        torch.get_num_threads(),
-    )
-    if status in (-1, -3):
-        return None
-    assert status == 0, f"packed_gemm_bf16_dot_swiglu returned {status} for {inter} x {blocks.in_features}"
     return out
 
 

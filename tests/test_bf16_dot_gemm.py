@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from executor_svc import layer_ops, packed_linear
+from executor_svc import gemm_epilogues, layer_ops, packed_linear
 from executor_svc.packed_linear import BF16_MAX_ROWS, PackedWeight, linear, pack_bf16, route
 
 pytestmark = pytest.mark.skipif(packed_linear.kernel() is None, reason="needs x86 AVX-512 and a C compiler")
@@ -185,9 +185,9 @@ def test_swiglu_on_the_gate_up_tiles_is_the_unfused_mlp_bit_for_bit(rows, native
     k = dataclasses.replace(packed_linear.kernel(), bf16_dot_native=native)
     monkeypatch.setattr(packed_linear, "kernel", lambda: k)  # every dot GEMM below, fused or not
     calls = []
-    monkeypatch.setattr(layer_ops, "swiglu_dot", lambda *a: calls.append(packed_linear.swiglu_dot(*a)) or calls[-1])
+    monkeypatch.setattr(layer_ops, "swiglu_dot", lambda *a: calls.append(gemm_epilogues.swiglu_dot(*a)) or calls[-1])
     fused = layer_ops.mlp(x, gw, dw, gate_up, down)
-    act = packed_linear.swiglu_dot(x, gate_up)
+    act = gemm_epilogues.swiglu_dot(x, gate_up)
     act_want = layer_ops.swiglu(linear(x, gw, None, gate_up)).to(torch.bfloat16)
     want = unfused_swiglu(x, gate_up, down, gw, dw)
     assert len(calls) == 1 and calls[0] is not None, "mlp() did not run the fused pass"
@@ -207,7 +207,7 @@ def test_swiglu_dot_refuses_an_intermediate_size_of_partial_panels():
     gate_up = PackedWeight(None, pack_bf16(gw), bf16_routes=DOT)
     down = PackedWeight(None, pack_bf16(dw), bf16_routes=DOT)
     x = torch.randn(33, hidden)
-    assert packed_linear.swiglu_dot(x, gate_up) is None
+    assert gemm_epilogues.swiglu_dot(x, gate_up) is None
     assert torch.equal(layer_ops.mlp(x, gw, dw, gate_up, down), unfused_swiglu(x, gate_up, down, gw, dw))
 
 
@@ -224,7 +224,7 @@ def test_swiglu_dot_gives_the_same_bits_on_any_thread_count(rows):
         outs = []
         for threads in (1, 3, 8):
             torch.set_num_threads(threads)
-            outs.append(packed_linear.swiglu_dot(x, gate_up))
+            outs.append(gemm_epilogues.swiglu_dot(x, gate_up))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0].view(torch.int16), o.view(torch.int16)) for o in outs[1:])

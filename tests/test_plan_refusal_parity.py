@@ -28,6 +28,9 @@ class _StubModel:
         logits[:, 5] = 1.0
         return logits
 
+    def greedy_tokens(self, hidden):
+        return self.compute_logits(hidden).argmax(-1)
+
 
 class _StubBackend:
     def prepare(self, meta):

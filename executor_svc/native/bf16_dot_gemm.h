@@ -38,20 +38,112 @@
  * T2 hint (into L2 on AMD and Intel cores), from which the lines fall into
  * the L3 to wait there. T0 cost the GEMM more for the same gain.
  *
+ * Argmax (packed_gemm_bf16_dot_argmax): a greedy step needs each row's
+ * largest logit, not the [M, vocab] float32 logits, which at the LM head's
+ * shape are 12.6 MB at 64 rows: written beside the 57 MB weight stream, then
+ * read back from DRAM by the sampler's argmax (0.75 ms of a 32 ms 64-decode
+ * step). Here a tile leaves no C: each one is folded into the thread's
+ * running best of each row, lane by lane (running_best, fold_tile), and a
+ * thread's bests leave once per row chunk (flush_bests); the caller reduces
+ * the threads' in column order.
+ *
  * Output lines: as packed_gemm's float32 kernel does past
  * PREFETCH_OUT_MIN_BYTES of C, each tile first prefetches, for writing, the
  * 24 lines (8 rows x 48 columns) of the same rows in the next panel, which
  * this thread computes next: at the LM head's shape 1.15-1.16x.
  */
 
-#ifndef PAGEDSERVE_WARM_CURSOR
-#define PAGEDSERVE_WARM_CURSOR
+/* Once for both instances: what does not depend on the pair product. */
+#ifndef PAGEDSERVE_DOT_GEMM_SHARED
+#define PAGEDSERVE_DOT_GEMM_SHARED
 /* Where a thread is in its share of the spans to warm. */
 struct warm_cursor {
     const char *const *span; /* the span being warmed */
     int64_t off;             /* bytes of it done */
     int64_t span_bytes;
 };
+
+/* A thread's running argmax of each row of its current row chunk, over the
+ * columns it has computed: per lane, the largest value seen in that lane's
+ * columns (16 apart) and the first column holding it, a strict > keeping
+ * the earliest since columns arrive in increasing order; and the row's
+ * first NaN column, -1 for none (a NaN never enters `value`). */
+struct running_best {
+    __m512 value[MC];
+    __m512i index[MC];
+    int32_t nan_at[MC];
+};
+
+/* What a thread hands over: row r's best over its columns at [r * slots +
+ * thread], a NaN value for a first NaN at `index`; a -inf value, which the
+ * caller set beforehand, where it saw none of the row. */
+struct thread_bests {
+    float *value;
+    int32_t *index;
+    int slots;
+};
+
+static inline void reset_bests(struct running_best *rb, int rows)
+{
+    for (int i = 0; i < rows; i++) {
+        rb->value[i] = _mm512_set1_ps(-INFINITY);
+        rb->index[i] = _mm512_setzero_si512();
+        rb->nan_at[i] = -1;
+    }
+}
+
+/* A tile's C (mr rows of NR floats, ncols of them columns col0...) folded
+ * into the running bests of rows rb_row...: per row, its NV vectors in
+ * column order; lanes past ncols are -inf, which never wins a strict >.
+ * The tile stores C and this reads it back from L1: folding the
+ * accumulators in registers instead slowed the tile itself by ~20%. */
+static inline void fold_tile(struct running_best *rb, int rb_row, const float *c, int mr, int ncols, int col0)
+{
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < mr; i++) {
+        __m512 best = rb->value[rb_row + i];
+        __m512i index = rb->index[rb_row + i];
+        __mmask16 nan = 0;
+        for (int j = 0; j < NV; j++) {
+            const __mmask16 in = column_mask(ncols, j);
+            const __m512 v = _mm512_mask_load_ps(_mm512_set1_ps(-INFINITY), in, c + i * NR + 16 * j);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, gt, v);
+            index = _mm512_mask_mov_epi32(index, gt, _mm512_add_epi32(lane, _mm512_set1_epi32(col0 + 16 * j)));
+        }
+        rb->value[rb_row + i] = best;
+        rb->index[rb_row + i] = index;
+        if (__builtin_expect(nan != 0, 0) && rb->nan_at[rb_row + i] < 0)
+            for (int j = 0; j < NV; j++) {
+                const __m512 v = _mm512_load_ps(c + i * NR + 16 * j);
+                const __mmask16 n = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & column_mask(ncols, j);
+                if (n) {
+                    rb->nan_at[rb_row + i] = col0 + 16 * j + __builtin_ctz(n);
+                    break;
+                }
+            }
+    }
+}
+
+/* Rows [row0, row0 + rows) of `rb` into `out` at this thread's slot, each
+ * reduced over its lanes as fused_ops.c's scan_row reduces them. */
+static inline void flush_bests(const struct running_best *rb, int row0, int rows, const struct thread_bests *out,
+                               int thread)
+{
+    for (int i = 0; i < rows; i++) {
+        const int64_t at = (int64_t)(row0 + i) * out->slots + thread;
+        if (rb->nan_at[i] >= 0) {
+            out->value[at] = NAN;
+            out->index[at] = rb->nan_at[i];
+            continue;
+        }
+        const float top = _mm512_reduce_max_ps(rb->value[i]);
+        const __mmask16 at_top = _mm512_cmp_ps_mask(rb->value[i], _mm512_set1_ps(top), _CMP_EQ_OQ);
+        out->value[at] = top;
+        out->index[at] = _mm512_mask_reduce_min_epi32(at_top, rb->index[i]); /* only -inf: every lane's is 0 */
+    }
+}
 #endif
 
 static inline __attribute__((always_inline)) DOT_TARGET void DOT_NAME(tile)(
@@ -160,6 +252,53 @@ static DOT_TARGET void DOT_NAME(gemm)(float *c, int64_t ldc, const uint16_t *a, 
                                     K, ncols, next + (int64_t)t * share * 64, share, &warm, warm_lines, pf_out);
             }
         }
+    }
+}
+
+/* Argmax (packed_gemm_bf16_dot_argmax): the GEMM's items, tiles and next
+ * panel's prefetch, each tile folded into the thread's running bests
+ * instead of stored in C; each thread's bests leave per row chunk into
+ * `best` (slots >= num_threads). Its own loop: sharing gemm's, behind a
+ * branch on `best`, made the plain GEMM a third slower. */
+static DOT_TARGET void DOT_NAME(gemm_argmax)(const uint16_t *a, int64_t lda, const uint8_t *blocks, const float *bias,
+                                             int M, int N, int K, int num_threads, const struct thread_bests *best)
+{
+    const int panels = (N + NR - 1) / NR;
+    const struct row_split rs = equal_chunks(M, MC, MR);
+    const int mcr = rs.rows;
+    const int64_t panel_bytes = (int64_t)(K / 2) * DOT_STEP_BYTES;
+#pragma omp parallel num_threads(num_threads)
+    {
+        struct running_best bests; /* this thread's rows of chunk `in_chunk` */
+        float c[MR * NR] __attribute__((aligned(64)));
+        struct warm_cursor none = {NULL, 0, 0};
+        int in_chunk = -1;
+        const int64_t items = (int64_t)rs.chunks * panels, nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t end = items * (me + 1) / nt;
+        for (int64_t it = items * me / nt; it < end; it++) {
+            const int mc = (int)(it / panels), p = (int)(it % panels);
+            const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
+            const int ncols = N - p * NR < NR ? N - p * NR : NR;
+            const uint8_t *panel = blocks + (int64_t)p * panel_bytes;
+            if (mc != in_chunk) {
+                if (in_chunk >= 0)
+                    flush_bests(&bests, in_chunk * mcr, mcr, best, (int)me);
+                in_chunk = mc;
+                reset_bests(&bests, m_end - mc * mcr);
+            }
+            const int num_tiles = (m_end - mc * mcr + MR - 1) / MR;
+            const int prefetch = it + 1 < end && p + 1 < panels && panel_bytes <= PREFETCH_MAX_PANEL;
+            const int share = prefetch ? (int)(panel_bytes / 64 / num_tiles) : 0;
+            const char *next = (const char *)(panel + panel_bytes);
+            for (int m = mc * mcr, t = 0; m < m_end; m += MR, t++) {
+                const int mr = m_end - m < MR ? m_end - m : MR;
+                DOT_NAME(tile_rows)(mr, c, NR, a + m * lda, lda, panel, bias ? bias + p * NR : 0, K, ncols,
+                                    next + (int64_t)t * share * 64, share, &none, 0, 0);
+                fold_tile(&bests, m - mc * mcr, c, mr, ncols, p * NR);
+            }
+        }
+        if (in_chunk >= 0)
+            flush_bests(&bests, in_chunk * mcr, (in_chunk + 1) * mcr < M ? mcr : M - in_chunk * mcr, best, (int)me);
     }
 }
 

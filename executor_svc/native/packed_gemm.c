@@ -38,6 +38,7 @@
  * untried there, and a prefetch that evicts the current panel would cost
  * more than it hides.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -595,6 +596,59 @@ int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t 
     return 0;
 }
 
+/* out[r] = the first index of row r's largest value in C = A @ W^T (+ bias),
+ * or of its first NaN (argmax_rows_f32's answer over packed_gemm_bf16_dot's
+ * C, bit for bit), without writing C (bf16_dot_gemm.h: argmax). A, W and
+ * `native` as in packed_gemm_bf16_dot. Returns 0; -2 and -3 as it does; -5
+ * if the threads' bests could not be allocated. */
+int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    if (K <= 0 || K % QK != 0)
+        return -3;
+    if (native && !packed_gemm_bf16_dot_native())
+        return -2;
+    const int slots = num_threads > 0 ? num_threads : 1;
+    struct thread_bests best = {malloc(sizeof(float) * (size_t)M * (size_t)slots),
+                              malloc(sizeof(int32_t) * (size_t)M * (size_t)slots), slots};
+    if (!best.value || !best.index) {
+        free(best.value);
+        free(best.index);
+        return -5;
+    }
+    for (int64_t i = 0; i < (int64_t)M * slots; i++) /* a thread that saw none of a row: never taken below */
+        best.value[i] = -INFINITY;
+#ifdef HAVE_NATIVE_DOT
+    if (native)
+        gemm_argmax_dot_native(a, lda, blocks, bias, M, N, K, slots, &best);
+    else
+#endif
+        gemm_argmax_dot_emulated(a, lda, blocks, bias, M, N, K, slots, &best);
+    /* Threads took runs of columns in increasing order: the first NaN met is
+     * the row's first; a strict > keeps the earliest of equal bests; a row of
+     * only -inf answers 0. */
+    for (int r = 0; r < M; r++) {
+        const float *v = best.value + (int64_t)r * slots;
+        const int32_t *ix = best.index + (int64_t)r * slots;
+        float top = -INFINITY;
+        int64_t at = 0;
+        for (int t = 0; t < slots; t++) {
+            if (v[t] != v[t]) {
+                at = ix[t];
+                break;
+            }
+            if (v[t] > top) {
+                top = v[t];
+                at = ix[t];
+            }
+        }
+        out[r] = at;
+    }
+    free(best.value);
+    free(best.index);
+    return 0;
+}
+
 /* C = bf16(A) @ W^T (+ bias) over Q4_1 block panels (q4_dot_gemm.h), A
  * float32 [M, K] with row stride lda, rounded to bfloat16 here; `native`
  * picks VDPBF16PS (0 = emulated). Returns 0; -2 if native is asked for where
@@ -693,6 +747,14 @@ int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t ld
 {
     (void)c; (void)ldc; (void)a; (void)lda; (void)blocks; (void)fmt; (void)bias; (void)M; (void)N; (void)K;
     (void)native; (void)num_threads;
+    return -1;
+}
+
+int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                                const float *bias, int M, int N, int K, int native, int num_threads)
+{
+    (void)out; (void)a; (void)lda; (void)blocks; (void)bias; (void)M; (void)N; (void)K; (void)native;
+    (void)num_threads;
     return -1;
 }
 
