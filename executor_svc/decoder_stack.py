@@ -11,6 +11,8 @@ DecoderLayer.forward's order. The result is the Python path's bit for bit
 --deterministic modes, routes, logging. One thing the Python path does not
 do: on the bf16 dot route each layer's GEMMs prefetch the key blocks the
 next layer's attention will read (`warm_bytes`; decoder_stack.c says why).
+Where gate/up and down both take that route, SwiGLU runs on the gate/up
+GEMM's tiles, as layer_ops.mlp runs it (gemm_epilogues.swiglu_dot's kernel).
 
 Where it applies (`DecoderStack.build` says None otherwise, and
 `DecoderStack.forward` returns None for a step it does not take):
@@ -76,6 +78,7 @@ class _Model(ctypes.Structure):
             "gemm_bf16_dot",
             "gemm_int8",
             "gemm_gguf_dot",
+            "swiglu_dot",
             "rms_norm",
             "rope",
             "silu_mul",
@@ -178,6 +181,7 @@ class DecoderStack:
             gemm_bf16_dot=_address(gemm.gemm_bf16_dot_warm),
             gemm_int8=_address(gemm.gemm_int8),
             gemm_gguf_dot=_address(gemm.gemm_quant_bf16_dot),
+            swiglu_dot=_address(gemm.gemm_bf16_dot_swiglu),
             rms_norm=_address(f32.rms_norm_f32),
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),

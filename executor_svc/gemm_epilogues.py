@@ -3,7 +3,8 @@ or L1, for callers that need less than its float32 product
 (native/bf16_dot_gemm.h):
 
     swiglu_dot   the gate/up GEMM -> silu(g) * u rounded to bfloat16, the
-                 down GEMM's input (layer_ops.mlp)
+                 down GEMM's input (layer_ops.mlp; the decoder stack calls
+                 its kernel too, decoder_stack.c)
     argmax_dot   the LM head -> each row's argmax, the greedy sampler's
                  answer (LlamaForCausalLM.greedy_tokens)
 
@@ -47,6 +48,9 @@ def swiglu_dot(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
         blocks.in_features,
         int(k.bf16_dot_native),
         torch.get_num_threads(),
+        None,  # nothing to warm (the decoder stack's spans: decoder_stack.c)
+        0,
+        0,
     )
     if status in (-1, -3):
         return None

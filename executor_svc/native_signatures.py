@@ -73,7 +73,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "int packed_gemm_quant_bf16_dot(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks,"
         " int fmt, const float *bias, int M, int N, int K, int native, int num_threads)",
         "int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda,"
-        " const uint8_t *blocks, int M, int I, int K, int native, int num_threads)",
+        " const uint8_t *blocks, int M, int I, int K, int native, int num_threads, const char *const *spans,"
+        " int64_t num_spans, int64_t span_bytes)",
         "int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, const uint8_t *blocks,"
         " const float *bias, int M, int N, int K, int native, int num_threads)",
     ),

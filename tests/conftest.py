@@ -84,12 +84,12 @@ def english_prompts() -> list[str]:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _tiny_qwen2_gguf(tmp_path_factory, kind: str) -> str:
+def _tiny_qwen2_gguf(tmp_path_factory, kind: str, intermediate_size: int = 320) -> str:
     from tests.model_utils import save_tiny_gguf, save_tiny_hf_model
 
     folder = tmp_path_factory.mktemp(f"tiny_gguf_{kind}")
     hf = save_tiny_hf_model(
-        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=320, max_position_embeddings=512
+        "qwen2", str(folder / "hf"), hidden_size=256, intermediate_size=intermediate_size, max_position_embeddings=512
     )
     path = str(folder / f"tiny.{kind}.gguf")
     save_tiny_gguf(hf, path, kind)
@@ -110,3 +110,11 @@ def tiny_gguf_q4_1(tmp_path_factory) -> str:
     """The same tiny Qwen2 in Q4_1 blocks, which the Q4_1 dot kernel reads
     (route gguf_dot, test_decoder_stack.py)."""
     return _tiny_qwen2_gguf(tmp_path_factory, "Q4_1")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_whole_panels(tmp_path_factory) -> str:
+    """The tiny Qwen2 with an intermediate size of 384, whole 48-column panels
+    (320 is not): the one whose bf16 MLP takes SwiGLU on the gate/up GEMM's
+    tiles (gemm_epilogues.swiglu_dot, and decoder_stack.c's call of it)."""
+    return _tiny_qwen2_gguf(tmp_path_factory, "Q8_0", intermediate_size=384)

@@ -228,3 +228,27 @@ def test_swiglu_dot_gives_the_same_bits_on_any_thread_count(rows):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0].view(torch.int16), o.view(torch.int16)) for o in outs[1:])
+
+
+@pytest.mark.parametrize("rows,spans,span_bytes", [(1, 3, 6144), (64, 40, 6144), (9, 500, 3264)])
+def test_swiglu_warming_changes_no_output_and_refuses_a_missing_span_list(rows, spans, span_bytes):
+    """The SwiGLU pass warms the decoder stack's spans as the plain GEMM does:
+    its bf16 output is the same bit for bit with spans or without, and a span
+    count without a list (or spans of no bytes) is refused before any write."""
+    k = packed_linear.kernel()
+    gate_up = pack_bf16(bf16_weight(2 * 96, 64, rows))
+    xb = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    arena = torch.zeros(spans * span_bytes + 64, dtype=torch.uint8)
+    table = (ctypes.c_void_p * spans)(*[arena.data_ptr() + i * span_bytes for i in range(spans)])
+    native = int(k.bf16_dot_native)
+    outs = []
+    for warm in ((None, 0, 0), (table, spans, span_bytes), (None, 3, span_bytes), (table, spans, 0)):
+        out = torch.full((rows, 96), -1, dtype=torch.int16)
+        status = k.gemm_bf16_dot_swiglu(
+            out.data_ptr(), 96, xb.data_ptr(), 64, gate_up.data.data_ptr(), rows, 96, 64, native, 2, *warm
+        )
+        outs.append((status, out))
+    (plain, first), (warmed, second) = outs[:2]
+    assert plain == warmed == 0 and torch.equal(first, second)
+    assert torch.equal(first.view(torch.bfloat16), gemm_epilogues.swiglu_dot(xb.float(), PackedWeight(None, gate_up)))
+    assert all(status == -4 and (out == -1).all() for status, out in outs[2:])

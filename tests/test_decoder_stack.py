@@ -156,6 +156,24 @@ def test_warming_the_next_layers_keys_changes_no_output(tiny_gguf, warm_blocks):
     assert counter.taken >= 8
 
 
+@pytest.mark.parametrize("warm_blocks", [0, 1 << 20], ids=["no-warming", "warming"])
+def test_swiglu_on_the_gate_up_tiles_runs_as_python_does(tiny_gguf_whole_panels, warm_blocks):
+    """Gate/up and down on the dot route, the intermediate size whole panels:
+    the stack runs SwiGLU on the gate/up GEMM's tiles and hands the down GEMM
+    its bf16 rows (as layer_ops.mlp does), warming its share of the next
+    layer's keys; the numbers are the Python path's."""
+    native, python = runner_pair(tiny_gguf_whole_panels, torch.bfloat16, batch_invariant=False)
+    for layer in native.model.layers:
+        layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
+    assert native.model.layers[0].down_weight.shape[1] % packed_linear.kernel().panel_width == 0
+    native.stack.refresh()
+    native.stack._model.warm_bytes = warm_blocks * native.stack._model.block_bytes
+    native.stack = counter = Counting(native.stack)
+    work = jobs(320, lengths=(9, 30, 17, 50, 3))
+    assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
+    assert counter.taken >= 8
+
+
 def test_stack_passes_the_dot_decode_route_as_python_does(tiny_gguf):
     """--decode-attention dot (attention/routes.py sets it on the backend after
     the stack is built): the stack hands the kernel the same arithmetic bits

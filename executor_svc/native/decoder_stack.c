@@ -36,6 +36,9 @@ typedef int (*gemm_blocks_fn)(float *c, int64_t ldc, const float *a, int64_t lda
 typedef int (*gemm_bf16_dot_fn)(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                                 const float *bias, int M, int N, int K, int native, int num_threads,
                                 const char *const *spans, int64_t num_spans, int64_t span_bytes);
+typedef int (*swiglu_dot_fn)(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
+                             int M, int I, int K, int native, int num_threads, const char *const *spans,
+                             int64_t num_spans, int64_t span_bytes);
 typedef int (*gemm_blocks_dot_fn)(float *c, int64_t ldc, const float *a, int64_t lda, const uint8_t *blocks, int fmt,
                                   const float *bias, int M, int N, int K, int native, int num_threads);
 typedef void (*rms_norm_fn)(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,
@@ -76,6 +79,7 @@ typedef struct {
     gemm_bf16_dot_fn gemm_bf16_dot; /* packed_gemm_bf16_dot_warm */
     gemm_blocks_fn gemm_int8; /* packed_gemm_quant_int8: int8 activations over Q4_1/Q8_0 blocks */
     gemm_blocks_dot_fn gemm_gguf_dot; /* packed_gemm_quant_bf16_dot: bf16 activations over Q4_1 blocks */
+    swiglu_dot_fn swiglu_dot; /* packed_gemm_bf16_dot_swiglu: the gate/up dot GEMM with SwiGLU on its tiles */
     rms_norm_fn rms_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
@@ -149,16 +153,22 @@ typedef struct {
 /* out = x @ W^T (+ bias) through the route packed_linear.linear takes for
  * these rows; `xb` is room for x rounded to bfloat16 (the dot route's input,
  * as packed_linear._bf16_dot rounds it). The dot route also warms `warm`. */
+/* xb = x [rows, k] rounded to bfloat16, the dot route's input. Shared out:
+ * on one thread this loop left the other spinning in libgomp for ~3% of a
+ * 64-decode step (perf, docs/optimization_log.md). */
+static void round_rows(uint16_t *xb, const float *x, int rows, int k, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16 && threads > 1)
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = (int64_t)r * k; i < (int64_t)(r + 1) * k; i++)
+            xb[i] = to_bf16(x[i]);
+}
+
 static int linear(const ds_model *m, const ds_linear *w, float *out, const float *x, uint16_t *xb, int rows, int n,
                   int k, int threads, warm_spans warm)
 {
     if (w->route == DS_DOT) {
-        /* Shared out: on one thread this loop left the other spinning in
-         * libgomp for ~3% of a 64-decode step (perf, docs/optimization_log.md). */
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16 && threads > 1)
-        for (int r = 0; r < rows; r++)
-            for (int64_t i = (int64_t)r * k; i < (int64_t)(r + 1) * k; i++)
-                xb[i] = to_bf16(x[i]);
+        round_rows(xb, x, rows, k, threads);
         return m->gemm_bf16_dot(out, n, xb, k, w->weights, w->bias, rows, n, k, (int)m->bf16_dot_native, threads,
                                 warm.spans, warm.count, m->block_bytes);
     }
@@ -282,12 +292,30 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         if (linear(m, &L->o, attn_out, attn, xb, T, H, Q, threads, o))
             goto refused;
         m->rms_norm(x, H, s->h, H, attn_out, H, L->post_norm, T, H, eps, threads);
-        if (linear(m, &L->gate_up, gate_up, x, xb, T, 2 * I, H, threads, gu))
-            goto refused;
-        if (m->silu_mul(act, I, gate_up, 2 * I, T, I, threads))
-            goto refused;
-        if (linear(m, &L->down, delta, act, xb, T, H, I, threads, down))
-            goto refused;
+        /* Both MLP GEMMs on the dot route: SwiGLU on the gate/up GEMM's tiles,
+         * its bfloat16 rows the down GEMM's input, as layer_ops.mlp runs them
+         * (the three ops' numbers; -1 or -3: no such pass, run the three). */
+        int fused = 0;
+        if (L->gate_up.route == DS_DOT && L->down.route == DS_DOT && !L->gate_up.bias) {
+            uint16_t *act_bf16 = (uint16_t *)act;
+            round_rows(xb, x, T, H, threads);
+            const int status = m->swiglu_dot(act_bf16, I, xb, H, L->gate_up.weights, T, I, H,
+                                             (int)m->bf16_dot_native, threads, gu.spans, gu.count, m->block_bytes);
+            if (status != 0 && status != -1 && status != -3)
+                goto refused;
+            if ((fused = status == 0) &&
+                m->gemm_bf16_dot(delta, H, act_bf16, I, L->down.weights, L->down.bias, T, H, I,
+                                 (int)m->bf16_dot_native, threads, down.spans, down.count, m->block_bytes))
+                goto refused;
+        }
+        if (!fused) {
+            if (linear(m, &L->gate_up, gate_up, x, xb, T, 2 * I, H, threads, gu))
+                goto refused;
+            if (m->silu_mul(act, I, gate_up, 2 * I, T, I, threads))
+                goto refused;
+            if (linear(m, &L->down, delta, act, xb, T, H, I, threads, down))
+                goto refused;
+        }
         if (next) {
             const char **swap = cur;
             cur = nxt;
@@ -318,7 +346,7 @@ static const struct {
     FIELD(ds_layer, v_cache), FIELD(ds_layer, qkv), FIELD(ds_layer, o), FIELD(ds_layer, gate_up),
     FIELD(ds_layer, down),
     SIZE(ds_model), FIELD(ds_model, gemm_panels), FIELD(ds_model, gemm_blocks), FIELD(ds_model, gemm_bf16_dot), FIELD(ds_model, gemm_int8),
-    FIELD(ds_model, gemm_gguf_dot),
+    FIELD(ds_model, gemm_gguf_dot), FIELD(ds_model, swiglu_dot),
     FIELD(ds_model, rms_norm),
     FIELD(ds_model, rope), FIELD(ds_model, silu_mul), FIELD(ds_model, kv_write), FIELD(ds_model, attention),
     FIELD(ds_model, final_norm), FIELD(ds_model, num_layers), FIELD(ds_model, hidden), FIELD(ds_model, inter),

@@ -545,28 +545,33 @@ int packed_gemm_bf16_dot(float *c, int64_t ldc, const uint16_t *a, int64_t lda, 
 /* out [M, I] bfloat16 (row stride ldo) = silu(g) * u, [g | u] = A @ W^T over
  * the gate/up weight's BF16 blocks (N = 2 I), A and `native` as in
  * packed_gemm_bf16_dot: that GEMM, silu_mul_f32 and torch's rounding to
- * bfloat16, bit for bit (NaN patterns aside), in one pass (bf16_dot_gemm.h).
+ * bfloat16, bit for bit (NaN patterns aside), in one pass (bf16_dot_gemm.h),
+ * warming num_spans spans as packed_gemm_bf16_dot_warm does (none: 0).
  * Returns 0; -1 where this build has no AVX-512BW; -2 as packed_gemm_bf16_dot;
- * -3 for a K the blocks cannot hold or an I that is not whole panels. */
+ * -3 for a K the blocks cannot hold or an I that is not whole panels; -4 as
+ * packed_gemm_bf16_dot_warm. */
 int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
-                                int M, int I, int K, int native, int num_threads)
+                                int M, int I, int K, int native, int num_threads, const char *const *spans,
+                                int64_t num_spans, int64_t span_bytes)
 {
 #ifdef __AVX512BW__
     if (K <= 0 || K % QK != 0 || I <= 0 || I % NR != 0)
         return -3;
+    if (num_spans < 0 || (num_spans > 0 && (spans == NULL || span_bytes <= 0)))
+        return -4;
     if (native) {
         if (!packed_gemm_bf16_dot_native())
             return -2;
 #ifdef HAVE_NATIVE_DOT
-        swiglu_dot_native(out, ldo, a, lda, blocks, M, I, K, num_threads);
+        swiglu_dot_native(out, ldo, a, lda, blocks, M, I, K, num_threads, spans, num_spans, span_bytes);
 #endif
         return 0;
     }
-    swiglu_dot_emulated(out, ldo, a, lda, blocks, M, I, K, num_threads);
+    swiglu_dot_emulated(out, ldo, a, lda, blocks, M, I, K, num_threads, spans, num_spans, span_bytes);
     return 0;
 #else
     (void)out; (void)ldo; (void)a; (void)lda; (void)blocks; (void)M; (void)I; (void)K; (void)native;
-    (void)num_threads;
+    (void)num_threads; (void)spans; (void)num_spans; (void)span_bytes;
     return -1;
 #endif
 }
@@ -759,10 +764,11 @@ int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, co
 }
 
 int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, int64_t lda, const uint8_t *blocks,
-                                int M, int I, int K, int native, int num_threads)
+                                int M, int I, int K, int native, int num_threads, const char *const *spans,
+                                int64_t num_spans, int64_t span_bytes)
 {
     (void)out; (void)ldo; (void)a; (void)lda; (void)blocks; (void)M; (void)I; (void)K; (void)native;
-    (void)num_threads;
+    (void)num_threads; (void)spans; (void)num_spans; (void)span_bytes;
     return -1;
 }
 
