@@ -181,7 +181,10 @@ class DecoderStack:
             gemm_bf16_dot=_address(gemm.gemm_bf16_dot_warm),
             gemm_int8=_address(gemm.gemm_int8),
             gemm_gguf_dot=_address(gemm.gemm_quant_bf16_dot),
-            swiglu_dot=_address(gemm.gemm_bf16_dot_swiglu),
+            # Gate panel p pairs with up panel p + inter / width: whole panels only.
+            swiglu_dot=_address(gemm.gemm_bf16_dot_swiglu)
+            if first.down_weight.shape[1] % gemm.panel_width == 0
+            else None,
             rms_norm=_address(f32.rms_norm_f32),
             rope=_address(f32.rope_f32),
             silu_mul=_address(f32.silu_mul_f32),

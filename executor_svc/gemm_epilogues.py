@@ -67,6 +67,7 @@ def argmax_dot(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight 
     if packed_linear.route(x.shape[0], packed) != "dot":
         return None
     blocks = packed.blocks
+    assert blocks is not None and blocks.kind == "BF16", "the dot route reads BF16 blocks"
     assert x.dim() == 2 and x.shape[1] == blocks.in_features, f"argmax_dot: input {tuple(x.shape)}"
     assert bias is None or (
         bias.is_contiguous() and bias.dtype == torch.float32 and bias.shape == (blocks.out_features,)

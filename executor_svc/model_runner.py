@@ -244,6 +244,8 @@ class ModelRunner:
                     logits = apply_logit_edits(logits, edits)
                 out = self.sampler(logits, md)
             tokens = out.sampled_token_ids.tolist()
+            if tokens and max(tokens) >= self.vocab_size:  # the sampler's shape check, which greedy_tokens skips
+                raise ValueError(f"sampled token {max(tokens)} is outside the vocabulary of {self.vocab_size}")
         except Exception:
             if tp is not None:
                 tp.send_tokens(None, len(states))  # the other ranks drop this step's requests too

@@ -167,11 +167,27 @@ def test_swiglu_on_the_gate_up_tiles_runs_as_python_does(tiny_gguf_whole_panels,
         layer.packed = {name: replace(p, bf16_routes=((1, "dot"),)) for name, p in layer.packed.items()}
     assert native.model.layers[0].down_weight.shape[1] % packed_linear.kernel().panel_width == 0
     native.stack.refresh()
-    native.stack._model.warm_bytes = warm_blocks * native.stack._model.block_bytes
+    model = native.stack._model
+    model.warm_bytes = warm_blocks * model.block_bytes
+    # The fused and three-op MLPs give the same bits: count the fused pass's calls to know it ran.
+    fused = packed_linear.kernel().gemm_bf16_dot_swiglu
+    statuses = []
+    spy = ctypes.CFUNCTYPE(ctypes.c_int, *fused.argtypes)(lambda *args: statuses.append(fused(*args)) or statuses[-1])
+    model.swiglu_dot = ctypes.cast(spy, ctypes.c_void_p).value
     native.stack = counter = Counting(native.stack)
     work = jobs(320, lengths=(9, 30, 17, 50, 3))
     assert as_numbers(PlanDriver(native, BLOCK).run(work)) == as_numbers(PlanDriver(python, BLOCK).run(work))
     assert counter.taken >= 8
+    layers = len(native.model.layers)
+    assert len(statuses) == counter.taken * layers and set(statuses) == {0}, "the stack did not run the fused pass"
+
+
+def test_an_intermediate_size_of_partial_panels_keeps_the_three_op_mlp(tiny_gguf):
+    """320 is not whole 48-column panels: the stack is given no fused pass
+    to try (it would decline after the stack had rounded the rows for it)."""
+    native, _ = runner_pair(tiny_gguf, torch.bfloat16, batch_invariant=False)
+    assert native.model.layers[0].down_weight.shape[1] % packed_linear.kernel().panel_width != 0
+    assert native.stack._model.swiglu_dot is None
 
 
 def test_stack_passes_the_dot_decode_route_as_python_does(tiny_gguf):

@@ -6,6 +6,7 @@ and the runner must take it only where the sampler would do nothing but argmax."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import replace
 
@@ -75,7 +76,10 @@ def test_argmax_on_the_head_tiles_is_the_argmax_of_its_logits(rows, native, monk
     ],
     ids=["finite", "all-minus-inf", "one-finite", "first-nan", "tied-inf"],
 )
-def test_a_bias_of_infinities_and_nans_answers_as_torch_argmax(edit, answer):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_bias_of_infinities_and_nans_answers_as_torch_argmax(edit, answer, threads):
+    """On 2 and 3 threads the NaN at 700 and the +inf at 300 fall to
+    different threads, as do the two +infs."""
     w, packed = head(3)
     bias = torch.randn(VOCAB)
     if "all" in edit:
@@ -87,7 +91,18 @@ def test_a_bias_of_infinities_and_nans_answers_as_torch_argmax(edit, answer):
     want = logits_argmax(x, w, packed, bias)
     if answer is not None:
         assert (want == answer).all()
-    assert torch.equal(argmax_dot(x, bias, packed), want)
+    with torch_threads(threads):
+        assert torch.equal(argmax_dot(x, bias, packed), want)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows", [9, 64, 300])
@@ -98,13 +113,58 @@ def test_any_thread_count_gives_the_same_tokens(rows):
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(5))
     x[::4] = w[TIED[0]].float()
     want = logits_argmax(x, w, packed)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 3, 8):
-            torch.set_num_threads(threads)
+    for threads in (1, 3, 8):
+        with torch_threads(threads):
             assert torch.equal(argmax_dot(x, None, packed), want), f"{threads} threads"
-    finally:
-        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_a_nan_mid_row_and_signed_zeros(threads):
+    """A NaN weight in head row 613 makes column 613 NaN in every row: each
+    row's answer, whichever thread holds it. Columns 100 and 900 at -0.0 and
+    +0.0, every other -inf: the two zeros tie, and the first wins, as in
+    torch.argmax (a compare that ordered -0.0 below +0.0 would answer 900)."""
+    w, packed = head(11)
+    x = torch.randn(20, HIDDEN)
+    nan_w = w.clone()
+    nan_w[613, 3] = float("nan")
+    nan_packed = PackedWeight(None, pack_bf16(nan_w), bf16_routes=DOT)
+    zero_w = w.clone()
+    zero_w[100], zero_w[900] = -0.0, 0.0  # 0 x -0.0 = -0.0 keeps the bias's sign; 0 x +0.0 = +0.0
+    zero_packed = PackedWeight(None, pack_bf16(zero_w), bf16_routes=DOT)
+    bias = torch.full((VOCAB,), float("-inf"))
+    bias[100], bias[900] = -0.0, 0.0
+    zeros = torch.zeros(5, HIDDEN)
+    logits = linear(zeros, zero_w, bias, zero_packed)
+    assert logits[:, 100].signbit().all() and not logits[:, 900].signbit().any()
+    with torch_threads(threads):
+        assert (logits_argmax(x, nan_w, nan_packed) == 613).all()
+        assert torch.equal(argmax_dot(x, None, nan_packed), logits_argmax(x, nan_w, nan_packed))
+        assert (logits_argmax(zeros, zero_w, zero_packed, bias) == 100).all()
+        assert torch.equal(argmax_dot(zeros, bias, zero_packed), logits_argmax(zeros, zero_w, zero_packed, bias))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 17, 47])
+def test_heads_narrower_than_a_panel(vocab):
+    """Part of one panel, every logit negative: the lanes past the head's
+    columns (-inf) never win."""
+    w = -(torch.randn(vocab, HIDDEN) / HIDDEN**0.5).abs().to(torch.bfloat16)
+    packed = PackedWeight(None, pack_bf16(w), bf16_routes=DOT)
+    x = torch.randn(33, HIDDEN).abs()
+    assert torch.equal(argmax_dot(x, None, packed), logits_argmax(x, w, packed))
+
+
+def test_bad_shapes_and_an_allocation_failure_are_refused():
+    """-3 for no rows' worth of columns or negative rows (nothing written),
+    0 rows answer nothing, and bests too large to allocate answer -5."""
+    k = packed_linear.kernel()
+    out = torch.full((4,), -7, dtype=torch.int64)
+    args = (out.data_ptr(), None, HIDDEN, None, None)
+    assert k.gemm_bf16_dot_argmax(*args, 4, 0, HIDDEN, 0, 2) == -3
+    assert k.gemm_bf16_dot_argmax(*args, -1, 48, HIDDEN, 0, 2) == -3
+    assert k.gemm_bf16_dot_argmax(*args, 0, 48, HIDDEN, 0, 2) == 0
+    assert (out == -7).all()
+    assert k.gemm_bf16_dot_argmax(None, None, 64, None, None, 1 << 30, 1000, 64, 0, 1 << 20) == -5
 
 
 def test_other_routes_decline():
@@ -126,8 +186,9 @@ GREEDY = SamplingParams(temperature=0.0)
         ([GREEDY, SamplingParams(temperature=0.0, logprobs=2), GREEDY], False),  # logprobs need the logits
         ([GREEDY, SamplingParams(temperature=0.8, seed=3), GREEDY], False),
         ([GREEDY, SamplingParams(temperature=0.0, repetition_penalty=1.3), GREEDY], False),
+        ([GREEDY, SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), GREEDY], False),  # a logit edit
     ],
-    ids=["all-greedy", "logprobs", "random-row", "penalty"],
+    ids=["all-greedy", "logprobs", "random-row", "penalty", "logit-bias"],
 )
 def test_the_runner_takes_the_head_argmax_only_for_plain_greedy_steps(tiny_gguf, params, fused, monkeypatch):
     """A bf16 model whose head takes the dot route: steps whose rows are all

@@ -116,8 +116,8 @@ static inline void fold_tile(struct running_best *rb, int rb_row, const float *c
         rb->index[rb_row + i] = index;
         if (__builtin_expect(nan != 0, 0) && rb->nan_at[rb_row + i] < 0)
             for (int j = 0; j < NV; j++) {
-                const __m512 v = _mm512_load_ps(c + i * NR + 16 * j);
-                const __mmask16 n = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & column_mask(ncols, j);
+                const __m512 v = _mm512_maskz_load_ps(column_mask(ncols, j), c + i * NR + 16 * j);
+                const __mmask16 n = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
                 if (n) {
                     rb->nan_at[rb_row + i] = col0 + 16 * j + __builtin_ctz(n);
                     break;

@@ -79,7 +79,7 @@ typedef struct {
     gemm_bf16_dot_fn gemm_bf16_dot; /* packed_gemm_bf16_dot_warm */
     gemm_blocks_fn gemm_int8; /* packed_gemm_quant_int8: int8 activations over Q4_1/Q8_0 blocks */
     gemm_blocks_dot_fn gemm_gguf_dot; /* packed_gemm_quant_bf16_dot: bf16 activations over Q4_1 blocks */
-    swiglu_dot_fn swiglu_dot; /* packed_gemm_bf16_dot_swiglu: the gate/up dot GEMM with SwiGLU on its tiles */
+    swiglu_dot_fn swiglu_dot; /* packed_gemm_bf16_dot_swiglu, or NULL where inter is not whole panels */
     rms_norm_fn rms_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
@@ -294,14 +294,14 @@ int decoder_stack_forward(const ds_model *m, const ds_layer *layers, const ds_st
         m->rms_norm(x, H, s->h, H, attn_out, H, L->post_norm, T, H, eps, threads);
         /* Both MLP GEMMs on the dot route: SwiGLU on the gate/up GEMM's tiles,
          * its bfloat16 rows the down GEMM's input, as layer_ops.mlp runs them
-         * (the three ops' numbers; -1 or -3: no such pass, run the three). */
+         * (the three ops' numbers; -1: no such pass in this build, run the three). */
         int fused = 0;
-        if (L->gate_up.route == DS_DOT && L->down.route == DS_DOT && !L->gate_up.bias) {
+        if (m->swiglu_dot && L->gate_up.route == DS_DOT && L->down.route == DS_DOT && !L->gate_up.bias) {
             uint16_t *act_bf16 = (uint16_t *)act;
             round_rows(xb, x, T, H, threads);
             const int status = m->swiglu_dot(act_bf16, I, xb, H, L->gate_up.weights, T, I, H,
                                              (int)m->bf16_dot_native, threads, gu.spans, gu.count, m->block_bytes);
-            if (status != 0 && status != -1 && status != -3)
+            if (status != 0 && status != -1)
                 goto refused;
             if ((fused = status == 0) &&
                 m->gemm_bf16_dot(delta, H, act_bf16, I, L->down.weights, L->down.bias, T, H, I,

@@ -604,15 +604,18 @@ int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t 
 /* out[r] = the first index of row r's largest value in C = A @ W^T (+ bias),
  * or of its first NaN (argmax_rows_f32's answer over packed_gemm_bf16_dot's
  * C, bit for bit), without writing C (bf16_dot_gemm.h: argmax). A, W and
- * `native` as in packed_gemm_bf16_dot. Returns 0; -2 and -3 as it does; -5
- * if the threads' bests could not be allocated. */
+ * `native` as in packed_gemm_bf16_dot. Returns 0; -2 as it does; -3 for a K
+ * the blocks cannot hold, M < 0 or N < 1; -5 if the threads' bests could
+ * not be allocated. */
 int packed_gemm_bf16_dot_argmax(int64_t *out, const uint16_t *a, int64_t lda, const uint8_t *blocks,
                                 const float *bias, int M, int N, int K, int native, int num_threads)
 {
-    if (K <= 0 || K % QK != 0)
+    if (K <= 0 || K % QK != 0 || M < 0 || N < 1)
         return -3;
     if (native && !packed_gemm_bf16_dot_native())
         return -2;
+    if (M == 0)
+        return 0;
     const int slots = num_threads > 0 ? num_threads : 1;
     struct thread_bests best = {malloc(sizeof(float) * (size_t)M * (size_t)slots),
                               malloc(sizeof(int32_t) * (size_t)M * (size_t)slots), slots};
