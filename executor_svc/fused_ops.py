@@ -79,6 +79,34 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return _rms_norm(h, _rows(delta), weight, eps)
 
 
+def add_rms_norm_bf16_out(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """add_rms_norm (rms_norm where delta is None) over float32 rows, its output
+    rounded to bfloat16 in the same pass: add_rms_norm(...).to(torch.bfloat16)
+    bit for bit (a NaN's pattern aside), for a GEMM that reads bf16 rows.
+    None where the build has no AVX-512 path."""
+    assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2, f"h {tuple(h.shape)} {h.dtype}"
+    assert delta is None or (delta.shape == h.shape and delta.dtype == torch.float32), "delta must match h"
+    assert weight.is_contiguous() and weight.shape == (h.shape[1],) and weight.dtype == torch.float32
+    delta = None if delta is None else _rows(delta)
+    out = torch.empty(h.shape, dtype=torch.bfloat16)
+    status = _lib().rms_norm_f32_bf16_out(
+        out.data_ptr(),
+        out.stride(0),
+        h.data_ptr(),
+        h.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        h.shape[0],
+        h.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out if status == 0 else None
+
+
 def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert weight.is_contiguous() and weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (
         f"weight {tuple(weight.shape)} {weight.dtype} for {tuple(x.shape)} {x.dtype}"

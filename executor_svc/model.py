@@ -66,7 +66,7 @@ from torch import nn
 from executor_svc.attention.backend import AttentionBackend
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.gemm_epilogues import argmax_dot
-from executor_svc.layer_ops import Kernels, mlp
+from executor_svc.layer_ops import Kernels, mlp, norm_for_gemm
 from executor_svc.model_config import ModelConfig
 from executor_svc.packed_linear import PackedWeight, linear
 from executor_svc.rope import apply_rope, rope_cache
@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
         num_tokens = h.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         ops = self.kernels
-        x = ops.add_rms_norm(h, delta, self.input_norm, self.eps)
+        x = norm_for_gemm(ops, h, delta, self.input_norm, self.eps, self.packed.get("qkv"))
         qkv = ops.linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         qkv = qkv.view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
         # q and k rotate together: one set of rope kernels for both.
@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
         attn = self.attn_backend.forward(q, k_cache, v_cache, meta, self.scale)
         attn_out = self._reduce(ops.linear(attn.reshape(num_tokens, -1), self.o_weight, None, self.packed.get("o")))
 
-        x = ops.add_rms_norm(h, attn_out, self.post_norm, self.eps)
+        x = norm_for_gemm(ops, h, attn_out, self.post_norm, self.eps, self.packed.get("gate_up"))
         down = mlp(
             x, self.gate_up_weight, self.down_weight, self.packed.get("gate_up"), self.packed.get("down"), ops.linear
         )

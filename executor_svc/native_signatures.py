@@ -23,6 +23,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "native/fused_ops.c": (
         "void rms_norm_f32(float *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta, int64_t ld_delta,"
         " const float *w, int rows, int dim, float eps, int num_threads)",
+        "int rms_norm_f32_bf16_out(uint16_t *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,"
+        " int64_t ld_delta, const float *w, int rows, int dim, float eps, int num_threads)",
         "void rope_f32(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const float *sin_signed,"
         " int64_t ld_cs, int tokens, int heads, int dim, int num_threads)",
         "int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter,"

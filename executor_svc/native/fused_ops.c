@@ -18,6 +18,23 @@
 /* Rows per thread below which a parallel region costs more than it saves. */
 #define MIN_ROWS_PER_THREAD 8
 
+/* The residual add (x += delta, in place, where delta is given) and then
+ * 1 / sqrt(mean(x^2) + eps) of one row: shared by rms_norm_f32 and its
+ * bf16-out form, so that both compute the same sums. */
+static inline float add_inv_rms(float *xr, const float *dr, int dim, float eps)
+{
+    if (dr) {
+#pragma omp simd
+        for (int d = 0; d < dim; d++)
+            xr[d] += dr[d];
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int d = 0; d < dim; d++)
+        ss += xr[d] * xr[d];
+    return 1.f / sqrtf(ss / (float)dim + eps);
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats.
  * With `delta`, the residual add comes first, in place: x[r] += delta[r],
  * then x[r] is normalised. For hidden sizes up to a few thousand the row is
@@ -30,17 +47,7 @@ void rms_norm_f32(float *out, int64_t ld_out, float *x, int64_t ld_x, const floa
     for (int r = 0; r < rows; r++) {
         float *xr = x + r * ld_x;
         float *o = out + r * ld_out;
-        if (delta) {
-            const float *dr = delta + r * ld_delta;
-#pragma omp simd
-            for (int d = 0; d < dim; d++)
-                xr[d] += dr[d];
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int d = 0; d < dim; d++)
-            ss += xr[d] * xr[d];
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        const float inv = add_inv_rms(xr, delta ? delta + r * ld_delta : NULL, dim, eps);
 #pragma omp simd
         for (int d = 0; d < dim; d++)
             o[d] = xr[d] * inv * w[d];
@@ -83,9 +90,39 @@ void rope_f32(float *x, int64_t ld_tok, int64_t ld_head, const float *cos, const
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include "bf16.h"
 #include "exp512.h"
 #include "log512.h"
 #endif
+
+/* rms_norm_f32 with each output rounded to bfloat16 as torch rounds
+ * (bf16.h; a NaN becomes 0x7FC0) as it is stored: the input of a GEMM that
+ * reads bf16 rows (the dot route), without the float32 row written and read
+ * back by a separate rounding pass. The same float32 values first, bit for
+ * bit. Returns 0; -1 where this build has no AVX-512 path. */
+int rms_norm_f32_bf16_out(uint16_t *out, int64_t ld_out, float *x, int64_t ld_x, const float *delta,
+                          int64_t ld_delta, const float *w, int rows, int dim, float eps, int num_threads)
+{
+#ifdef __AVX512F__
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= MIN_ROWS_PER_THREAD * num_threads)
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + r * ld_x;
+        const __m512 inv = _mm512_set1_ps(add_inv_rms(xr, delta ? delta + r * ld_delta : NULL, dim, eps));
+        for (int d = 0; d < dim; d += 16) {
+            const int n = dim - d < 16 ? dim - d : 16;
+            const __mmask16 m = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + d), inv),
+                                           _mm512_maskz_loadu_ps(m, w + d));
+            bf16_store_n(out + r * ld_out + d, v, n);
+        }
+    }
+    return 0;
+#else
+    (void)out; (void)ld_out; (void)x; (void)ld_x; (void)delta; (void)ld_delta; (void)w; (void)rows; (void)dim;
+    (void)eps; (void)num_threads;
+    return -1;
+#endif
+}
 
 int silu_mul_f32(float *out, int64_t ld_out, const float *gu, int64_t ld_gu, int rows, int inter, int num_threads)
 {
