@@ -150,9 +150,6 @@ typedef struct {
     int64_t count;
 } warm_spans;
 
-/* out = x @ W^T (+ bias) through the route packed_linear.linear takes for
- * these rows; `xb` is room for x rounded to bfloat16 (the dot route's input,
- * as packed_linear._bf16_dot rounds it). The dot route also warms `warm`. */
 /* xb = x [rows, k] rounded to bfloat16, the dot route's input. Shared out:
  * on one thread this loop left the other spinning in libgomp for ~3% of a
  * 64-decode step (perf, docs/optimization_log.md). */
@@ -164,6 +161,9 @@ static void round_rows(uint16_t *xb, const float *x, int rows, int k, int thread
             xb[i] = to_bf16(x[i]);
 }
 
+/* out = x @ W^T (+ bias) through the route packed_linear.linear takes for
+ * these rows; `xb` is room for x rounded to bfloat16 (the dot route's input,
+ * as packed_linear._bf16_dot rounds it). The dot route also warms `warm`. */
 static int linear(const ds_model *m, const ds_linear *w, float *out, const float *x, uint16_t *xb, int rows, int n,
                   int k, int threads, warm_spans warm)
 {
