@@ -88,32 +88,25 @@ def add_rms_norm_bf16_out(
     None where the build has no AVX-512 path."""
     assert h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2, f"h {tuple(h.shape)} {h.dtype}"
     assert delta is None or (delta.shape == h.shape and delta.dtype == torch.float32), "delta must match h"
-    assert weight.is_contiguous() and weight.shape == (h.shape[1],) and weight.dtype == torch.float32
-    delta = None if delta is None else _rows(delta)
-    out = torch.empty(h.shape, dtype=torch.bfloat16)
-    status = _lib().rms_norm_f32_bf16_out(
-        out.data_ptr(),
-        out.stride(0),
-        h.data_ptr(),
-        h.stride(0),
-        None if delta is None else delta.data_ptr(),
-        0 if delta is None else delta.stride(0),
-        weight.data_ptr(),
-        h.shape[0],
-        h.shape[1],
-        eps,
-        torch.get_num_threads(),
-    )
-    return out if status == 0 else None
+    return _rms_norm(h, None if delta is None else _rows(delta), weight, eps, bf16_out=True)
 
 
-def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, bf16_out: bool = False
+) -> torch.Tensor | None:
+    """The norm kernel of x's dtype; with bf16_out, float32 x's that rounds
+    as it writes (None where that has no AVX-512 path)."""
     assert weight.is_contiguous() and weight.shape == (x.shape[1],) and weight.dtype == x.dtype, (
         f"weight {tuple(weight.shape)} {weight.dtype} for {tuple(x.shape)} {x.dtype}"
     )
-    out = torch.empty(x.shape, dtype=x.dtype)
+    assert not bf16_out or x.dtype == torch.float32, "bf16_out rounds a float32 norm"
+    out = torch.empty(x.shape, dtype=torch.bfloat16 if bf16_out else x.dtype)
     lib = _LIBRARIES[x.dtype]()
-    status = (lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32)(
+    if bf16_out:
+        kernel = lib.rms_norm_f32_bf16_out
+    else:
+        kernel = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    status = kernel(
         out.data_ptr(),
         out.stride(0),
         x.data_ptr(),
@@ -126,6 +119,8 @@ def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
         eps,
         torch.get_num_threads(),
     )
+    if bf16_out and status == -1:
+        return None
     _ran(status)
     return out
 

@@ -518,6 +518,13 @@ static void bf16_rows_with_sums(uint16_t *xb, float *xs, const float *a, int64_t
 #undef DOT
 #endif
 
+/* Spans to warm that cannot be read: a negative count, or some without a
+ * list or of no bytes (the warming entry points refuse them, -4). */
+static int bad_spans(const char *const *spans, int64_t num_spans, int64_t span_bytes)
+{
+    return num_spans < 0 || (num_spans > 0 && (spans == NULL || span_bytes <= 0));
+}
+
 /* 1 where this build has the VDPBF16PS kernel and this CPU runs it. */
 int packed_gemm_bf16_dot_native(void)
 {
@@ -557,7 +564,7 @@ int packed_gemm_bf16_dot_swiglu(uint16_t *out, int64_t ldo, const uint16_t *a, i
 #ifdef __AVX512BW__
     if (K <= 0 || K % QK != 0 || I <= 0 || I % NR != 0)
         return -3;
-    if (num_spans < 0 || (num_spans > 0 && (spans == NULL || span_bytes <= 0)))
+    if (bad_spans(spans, num_spans, span_bytes))
         return -4;
     if (native) {
         if (!packed_gemm_bf16_dot_native())
@@ -587,7 +594,7 @@ int packed_gemm_bf16_dot_warm(float *c, int64_t ldc, const uint16_t *a, int64_t 
 {
     if (K <= 0 || K % QK != 0)
         return -3;
-    if (num_spans < 0 || (num_spans > 0 && (spans == NULL || span_bytes <= 0)))
+    if (bad_spans(spans, num_spans, span_bytes))
         return -4;
     if (native) {
         if (!packed_gemm_bf16_dot_native())
